@@ -1,0 +1,144 @@
+//! The generation loop: prefill a prompt, then sample, stream and stop. Text reaches the caller only
+//! once it is whole UTF-8 and cannot be the start of a stop string; a stop string itself is never
+//! emitted. The loop checks a cancel flag every token so Ctrl-C ends it cleanly.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use anyhow::Result;
+
+use crate::engine::runner::{Runner, Sequence};
+use crate::engine::sampler::{Sampler, SamplerConfig};
+use crate::engine::stop::StopMatcher;
+use crate::model::Backend;
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+
+#[derive(Clone, Debug)]
+pub struct GenParams {
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model produced an end-of-generation token.
+    Eos,
+    /// `max_tokens` were generated.
+    Length,
+    /// A stop string appeared in the output.
+    StopString,
+    /// The cancel flag was raised (Ctrl-C).
+    Interrupted,
+    /// The context window is full.
+    ContextFull,
+}
+
+impl StopReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Eos => "eos",
+            StopReason::Length => "length",
+            StopReason::StopString => "stop_string",
+            StopReason::Interrupted => "interrupted",
+            StopReason::ContextFull => "context_full",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct GenStats {
+    /// Prompt tokens computed (excludes a reused cached prefix).
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV was reused from the cache.
+    pub reused_tokens: usize,
+    pub generated_tokens: usize,
+    pub prompt_secs: f64,
+    pub gen_secs: f64,
+    pub stop: StopReason,
+}
+
+impl GenStats {
+    pub fn prompt_tps(&self) -> f64 {
+        rate(self.prompt_tokens, self.prompt_secs)
+    }
+    /// Decode speed: tokens after the first (whose logits came from the prefill) over decode time.
+    pub fn gen_tps(&self) -> f64 {
+        rate(self.generated_tokens.saturating_sub(1), self.gen_secs)
+    }
+}
+
+fn rate(n: usize, secs: f64) -> f64 {
+    if secs > 0.0 {
+        n as f64 / secs
+    } else {
+        0.0
+    }
+}
+
+/// Generates a continuation of `prompt` in `seq` (whose cached prefix is reused where it matches).
+/// `on_token(Some(id), text)` receives each generated token and the text it releases (possibly empty);
+/// `on_token(None, text)` the text held back until the end.
+pub fn generate<B: Backend>(
+    runner: &mut Runner<B>,
+    seq: &mut Sequence,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    params: &GenParams,
+    cancel: &AtomicBool,
+    mut on_token: impl FnMut(Option<u32>, &str) -> Result<()>,
+) -> Result<GenStats> {
+    anyhow::ensure!(!prompt.is_empty(), "the prompt is empty: give at least one token");
+    let t0 = Instant::now();
+    let reused = runner.reuse_prefix(seq, prompt);
+    let mut logits = runner.compute(seq)?;
+    let prompt_secs = t0.elapsed().as_secs_f64();
+
+    let mut sampler = Sampler::new(params.sampler.clone());
+    let mut stops = StopMatcher::new(params.stop.clone());
+    let mut utf8 = StreamDecoder::new();
+    let t1 = Instant::now();
+    let mut generated = 0;
+    let stop = loop {
+        if cancel.load(Ordering::Relaxed) {
+            break StopReason::Interrupted;
+        }
+        if generated >= params.max_tokens {
+            break StopReason::Length;
+        }
+        let id = sampler.sample(&logits, &seq.tokens);
+        if tok.is_eog(id) {
+            break StopReason::Eos;
+        }
+        generated += 1;
+        seq.tokens.push(id);
+        let text = utf8.push(&tok.token_bytes(id));
+        let (emit, hit) = stops.push(&text);
+        on_token(Some(id), &emit)?;
+        if hit {
+            break StopReason::StopString;
+        }
+        if generated >= params.max_tokens {
+            break StopReason::Length;
+        }
+        if seq.tokens.len() >= runner.n_ctx() {
+            break StopReason::ContextFull;
+        }
+        logits = runner.compute(seq)?;
+    };
+    if stop != StopReason::StopString {
+        let mut tail = utf8.flush();
+        tail = stops.push(&tail).0 + &stops.finish();
+        if !tail.is_empty() {
+            on_token(None, &tail)?;
+        }
+    }
+    Ok(GenStats {
+        prompt_tokens: prompt.len() - reused,
+        reused_tokens: reused,
+        generated_tokens: generated,
+        prompt_secs,
+        gen_secs: t1.elapsed().as_secs_f64(),
+        stop,
+    })
+}

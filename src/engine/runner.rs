@@ -1,0 +1,139 @@
+//! The runner: a model, its KV storage and the block manager, driving sequences through the forward
+//! pass. A `Sequence` is the token history whose KV is cached; positions `0..n_cached` have valid K/V.
+//! Rolling back (speculation, chat edits) is truncating the sequence; no K/V is copied.
+
+use anyhow::{bail, Result};
+
+use crate::engine::blocks::BlockManager;
+use crate::model::{Backend, BatchEntry, Model};
+
+/// Positions per KV block.
+pub const BLOCK_SIZE: usize = 32;
+/// Tokens per forward call during prefill.
+pub const PREFILL_CHUNK: usize = 512;
+
+#[derive(Clone, Debug, Default)]
+pub struct Sequence {
+    /// Every token of the sequence, cached or not yet.
+    pub tokens: Vec<u32>,
+    pub block_table: Vec<u32>,
+    /// Tokens whose K/V are in the cache.
+    pub n_cached: usize,
+}
+
+pub struct Runner<B: Backend> {
+    pub model: Model<B>,
+    kv: B::Kv,
+    blocks: BlockManager,
+    n_ctx: usize,
+}
+
+impl<B: Backend> Runner<B> {
+    /// Allocates KV storage for `n_ctx` positions in total.
+    pub fn new(model: Model<B>, n_ctx: usize) -> Result<Runner<B>> {
+        if n_ctx == 0 {
+            bail!("context size must be at least 1");
+        }
+        let n_blocks = n_ctx.div_ceil(BLOCK_SIZE);
+        let kv = model.backend.alloc_kv(
+            model.cfg.n_layer,
+            n_blocks,
+            BLOCK_SIZE,
+            model.cfg.kv_dim(),
+        )?;
+        Ok(Runner {
+            model,
+            kv,
+            blocks: BlockManager::new(n_blocks, BLOCK_SIZE),
+            n_ctx,
+        })
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.model.cfg.vocab_size
+    }
+
+    /// Computes the sequence's uncached tokens and returns the logits of the last one.
+    pub fn compute(&mut self, seq: &mut Sequence) -> Result<Vec<f32>> {
+        let n = seq.tokens.len();
+        self.compute_with(seq, |i| i + 1 == n)
+            .map(|mut l| l.pop().expect("last row always has logits"))
+    }
+
+    /// Computes the uncached tokens and returns logits for every one of them (speculative verification).
+    pub fn compute_all(&mut self, seq: &mut Sequence) -> Result<Vec<Vec<f32>>> {
+        self.compute_with(seq, |_| true)
+    }
+
+    /// Appends `tokens` and returns the logits of the last one.
+    pub fn extend(&mut self, seq: &mut Sequence, tokens: &[u32]) -> Result<Vec<f32>> {
+        seq.tokens.extend_from_slice(tokens);
+        self.compute(seq)
+    }
+
+    /// Positions `want(pos)` get logits; the result is in position order.
+    fn compute_with(&mut self, seq: &mut Sequence, want: impl Fn(usize) -> bool) -> Result<Vec<Vec<f32>>> {
+        let (start, end) = (seq.n_cached, seq.tokens.len());
+        if start >= end {
+            bail!("nothing to compute: every token of the sequence is cached");
+        }
+        if end > self.n_ctx {
+            bail!(
+                "context is full: {} tokens needed, the context holds {} (raise --ctx)",
+                end,
+                self.n_ctx
+            );
+        }
+        self.blocks.allocate(&mut seq.block_table, end)?;
+        let mut out = Vec::new();
+        for base in (start..end).step_by(PREFILL_CHUNK) {
+            let stop = (base + PREFILL_CHUNK).min(end);
+            let batch: Vec<BatchEntry<'_>> = (base..stop)
+                .map(|pos| BatchEntry {
+                    token: seq.tokens[pos],
+                    pos: pos as u32,
+                    block_table: &seq.block_table,
+                    logits: want(pos),
+                })
+                .collect();
+            let logits = self.model.forward(&mut self.kv, &batch)?;
+            out.extend(logits);
+            seq.n_cached = stop;
+        }
+        Ok(out)
+    }
+
+    /// Keeps the longest cached prefix shared with `tokens`, then makes the sequence hold `tokens`
+    /// (the rest uncached). Returns how many tokens were reused. At least one token is left uncached so
+    /// that `compute` has logits to return.
+    pub fn reuse_prefix(&mut self, seq: &mut Sequence, tokens: &[u32]) -> usize {
+        let common = seq
+            .tokens
+            .iter()
+            .zip(tokens)
+            .take(seq.n_cached)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(tokens.len().saturating_sub(1));
+        self.truncate(seq, common);
+        seq.tokens.extend_from_slice(&tokens[common..]);
+        common
+    }
+
+    /// Forgets every position from `len` on.
+    pub fn truncate(&mut self, seq: &mut Sequence, len: usize) {
+        let len = len.min(seq.tokens.len());
+        seq.tokens.truncate(len);
+        seq.n_cached = seq.n_cached.min(len);
+        self.blocks.truncate(&mut seq.block_table, len);
+    }
+
+    /// Releases all of a sequence's blocks.
+    pub fn release(&mut self, seq: &mut Sequence) {
+        self.truncate(seq, 0);
+    }
+}

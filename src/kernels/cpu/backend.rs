@@ -1,0 +1,250 @@
+//! The CPU implementation of `model::Backend`. Weights stay zero-copy views into the memory-mapped
+//! file; activations are plain `Vec<f32>`; the KV cache is paged f16 storage. Every op that touches a
+//! matrix splits its output rows across the persistent thread pool; no op allocates per row.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use half::f16;
+
+use crate::format::{GgmlType, Gguf};
+use crate::kernels::cpu::attention;
+use crate::kernels::cpu::matmul;
+use crate::kernels::cpu::ops;
+use crate::kernels::cpu::pool::ThreadPool;
+use crate::model::backend::{AttnQuery, AttnShape, Backend, Rope, WeightSource};
+use crate::model::config::Activation;
+
+/// A weight matrix viewed in place in the mapped file.
+pub struct CpuWeight {
+    file: Arc<Gguf>,
+    index: usize,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_bytes: usize,
+}
+
+impl CpuWeight {
+    pub fn bytes(&self) -> &[u8] {
+        self.file.tensor_data(&self.file.tensors[self.index])
+    }
+}
+
+/// Row-major activation matrix.
+#[derive(Clone, Debug, Default)]
+pub struct CpuAct {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl CpuAct {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.cols..(i + 1) * self.cols]
+    }
+}
+
+/// Paged KV storage: per layer, `n_blocks * block_size` slots of `kv_dim` f16 values for K and V.
+pub struct CpuKv {
+    pub k: Vec<Vec<f16>>, // (n_layer, n_blocks * block_size * kv_dim)
+    pub v: Vec<Vec<f16>>, // (n_layer, n_blocks * block_size * kv_dim)
+    pub block_size: usize,
+    pub kv_dim: usize,
+}
+
+pub struct CpuBackend {
+    pub pool: ThreadPool,
+}
+
+impl CpuBackend {
+    pub fn new(n_threads: usize) -> CpuBackend {
+        CpuBackend {
+            pool: ThreadPool::new(n_threads.max(1)),
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    type Weight = CpuWeight;
+    type Vector = Vec<f32>;
+    type Act = CpuAct;
+    type Kv = CpuKv;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn load_weight(&self, src: &WeightSource<'_>) -> Result<CpuWeight> {
+        if !matmul::supported(src.ty) {
+            bail!(
+                "tensor type {} is not supported by the CPU backend yet",
+                src.ty.name()
+            );
+        }
+        let Some(row_bytes) = src.ty.row_bytes(src.cols) else {
+            bail!(
+                "row length {} is not a multiple of the {} block size {}",
+                src.cols,
+                src.ty.name(),
+                src.ty.block_size()
+            );
+        };
+        if row_bytes * src.rows != src.bytes.len() {
+            bail!(
+                "{} bytes for a {}x{} {} matrix, expected {}",
+                src.bytes.len(),
+                src.rows,
+                src.cols,
+                src.ty.name(),
+                row_bytes * src.rows
+            );
+        }
+        Ok(CpuWeight {
+            file: Arc::clone(src.file),
+            index: src.index,
+            ty: src.ty,
+            rows: src.rows,
+            cols: src.cols,
+            row_bytes,
+        })
+    }
+
+    fn load_vector(&self, data: &[f32]) -> Result<Vec<f32>> {
+        Ok(data.to_vec())
+    }
+
+    fn alloc_kv(
+        &self,
+        n_layer: usize,
+        n_blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+    ) -> Result<CpuKv> {
+        let per_layer = n_blocks
+            .checked_mul(block_size)
+            .and_then(|v| v.checked_mul(kv_dim))
+            .ok_or_else(|| anyhow::anyhow!("KV cache size overflows"))?;
+        let zero = f16::from_f32(0.0);
+        Ok(CpuKv {
+            k: (0..n_layer).map(|_| vec![zero; per_layer]).collect(),
+            v: (0..n_layer).map(|_| vec![zero; per_layer]).collect(),
+            block_size,
+            kv_dim,
+        })
+    }
+
+    fn act(&self, rows: usize, cols: usize) -> CpuAct {
+        CpuAct {
+            data: vec![0.0; rows * cols],
+            rows,
+            cols,
+        }
+    }
+
+    fn rows(&self, x: &CpuAct) -> usize {
+        x.rows
+    }
+
+    fn embed(&self, table: &CpuWeight, tokens: &[u32], scale: f32, out: &mut CpuAct) {
+        let bytes = table.bytes();
+        for (i, &t) in tokens.iter().enumerate() {
+            let row = &bytes[t as usize * table.row_bytes..(t as usize + 1) * table.row_bytes];
+            let dst = &mut out.data[i * out.cols..(i + 1) * out.cols];
+            crate::quant::dequantize_row(table.ty, row, dst)
+                .expect("embedding type checked at load");
+            if scale != 1.0 {
+                dst.iter_mut().for_each(|v| *v *= scale);
+            }
+        }
+    }
+
+    fn rms_norm(&self, x: &CpuAct, w: &Vec<f32>, eps: f32, out: &mut CpuAct) {
+        for (xs, ys) in x.data.chunks_exact(w.len()).zip(out.data.chunks_exact_mut(w.len())) {
+            ops::rms_norm(xs, w, eps, ys);
+        }
+    }
+
+    fn rms_norm_inplace(&self, x: &mut CpuAct, w: &Vec<f32>, eps: f32) {
+        let mut tmp = vec![0f32; w.len()];
+        for xs in x.data.chunks_exact_mut(w.len()) {
+            ops::rms_norm(xs, w, eps, &mut tmp);
+            xs.copy_from_slice(&tmp);
+        }
+    }
+
+    fn matmul(&self, w: &CpuWeight, x: &CpuAct, bias: Option<&Vec<f32>>, out: &mut CpuAct) {
+        debug_assert_eq!(x.cols, w.cols);
+        debug_assert_eq!(out.cols, w.rows);
+        matmul::matmul(&self.pool, w, x, out);
+        if let Some(b) = bias {
+            for row in out.data.chunks_exact_mut(w.rows) {
+                row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+            }
+        }
+    }
+
+    fn rope(&self, x: &mut CpuAct, positions: &[u32], rope: Rope) {
+        let mut cache = vec![0f32; rope.head_dim];
+        for (row, &pos) in x.data.chunks_exact_mut(x.cols).zip(positions) {
+            ops::rope_cache(pos, rope.base, rope.head_dim, &mut cache);
+            for head in row.chunks_exact_mut(rope.head_dim) {
+                ops::rope_head(head, &cache, rope.style);
+            }
+        }
+    }
+
+    fn scale(&self, x: &mut CpuAct, s: f32) {
+        x.data.iter_mut().for_each(|v| *v *= s);
+    }
+
+    fn add(&self, x: &mut CpuAct, y: &CpuAct) {
+        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+    }
+
+    fn glu(&self, gate: &mut CpuAct, up: &CpuAct, act: Activation) {
+        ops::glu(&mut gate.data, &up.data, act);
+    }
+
+    fn kv_write(&self, kv: &mut CpuKv, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[usize]) {
+        let d = kv.kv_dim;
+        for (i, &slot) in slots.iter().enumerate() {
+            let dst = &mut kv.k[layer][slot * d..(slot + 1) * d];
+            dst.iter_mut()
+                .zip(k.row(i))
+                .for_each(|(o, &x)| *o = f16::from_f32(x));
+            let dst = &mut kv.v[layer][slot * d..(slot + 1) * d];
+            dst.iter_mut()
+                .zip(v.row(i))
+                .for_each(|(o, &x)| *o = f16::from_f32(x));
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &CpuAct,
+        kv: &CpuKv,
+        layer: usize,
+        queries: &[AttnQuery<'_>],
+        shape: AttnShape,
+        out: &mut CpuAct,
+    ) {
+        attention::attention(&self.pool, q, kv, layer, queries, shape, out);
+    }
+
+    fn gather_rows(&self, x: &CpuAct, rows: &[usize]) -> CpuAct {
+        let mut data = Vec::with_capacity(rows.len() * x.cols);
+        for &r in rows {
+            data.extend_from_slice(x.row(r));
+        }
+        CpuAct {
+            data,
+            rows: rows.len(),
+            cols: x.cols,
+        }
+    }
+
+    fn to_host(&self, x: &CpuAct) -> Vec<f32> {
+        x.data.clone()
+    }
+}

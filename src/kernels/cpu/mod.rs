@@ -1,0 +1,8 @@
+//! CPU kernels: persistent thread pool, quantized matmul, attention over the paged KV cache, and the
+//! element-wise ops, gathered behind `CpuBackend`.
+
+pub mod attention;
+pub mod backend;
+pub mod matmul;
+pub mod ops;
+pub mod pool;

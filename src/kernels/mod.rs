@@ -1,0 +1,2 @@
+//! Compute kernels: the CPU thread pool and SIMD dot products.
+pub mod cpu;

@@ -1,0 +1,125 @@
+//! The seam between the forward loop and the hardware: every piece of math the model does goes through
+//! `Backend`, so a CUDA backend can sit beside the CPU one. A backend owns where buffers live
+//! (`Act`, `Weight`, `Vector`, `Kv`); the forward loop only sequences operations and never touches
+//! their contents. Activations are row-major `rows × cols` f32 matrices, one row per batch entry.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+
+use crate::format::{GgmlType, Gguf};
+use crate::model::config::{Activation, RopeStyle};
+
+/// A weight matrix as stored in the file: `rows` outputs, each `cols` inputs wide, of type `ty`.
+/// `file` and `index` let a backend keep a zero-copy view (the file stays mapped while it holds the Arc).
+pub struct WeightSource<'a> {
+    pub file: &'a Arc<Gguf>,
+    /// Index into `file.tensors`.
+    pub index: usize,
+    pub name: &'a str,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: &'a [u8],
+}
+
+/// RoPE parameters of one layer.
+#[derive(Clone, Copy, Debug)]
+pub struct Rope {
+    pub style: RopeStyle,
+    pub base: f32,
+    pub head_dim: usize,
+}
+
+/// One query row of attention: where its sequence's keys live and how far it may look.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnQuery<'a> {
+    /// Physical KV blocks of the query's sequence, in position order.
+    pub block_table: &'a [u32],
+    /// The query's position; it attends to keys at positions `lo..=pos`.
+    pub pos: u32,
+    /// First visible key position (`pos + 1 - window` for sliding-window layers, else 0).
+    pub lo: u32,
+}
+
+/// Shape of the attention problem for one layer.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// Multiplier of q·k (1.0 when q was pre-scaled).
+    pub scale: f32,
+}
+
+pub trait Backend {
+    /// A weight matrix, resident where this backend computes.
+    type Weight;
+    /// An f32 parameter vector (norm weights, biases).
+    type Vector;
+    /// An activation matrix (rows × cols f32).
+    type Act;
+    /// Paged K/V storage for every layer: `n_blocks` blocks of `block_size` positions.
+    type Kv;
+
+    fn name(&self) -> &'static str;
+
+    fn load_weight(&self, src: &WeightSource<'_>) -> Result<Self::Weight>;
+    fn load_vector(&self, data: &[f32]) -> Result<Self::Vector>;
+    fn alloc_kv(
+        &self,
+        n_layer: usize,
+        n_blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+    ) -> Result<Self::Kv>;
+
+    /// A zeroed rows × cols activation.
+    fn act(&self, rows: usize, cols: usize) -> Self::Act;
+    fn rows(&self, x: &Self::Act) -> usize;
+
+    /// out[i] = table[tokens[i]] * scale (dequantized rows of an embedding table).
+    fn embed(&self, table: &Self::Weight, tokens: &[u32], scale: f32, out: &mut Self::Act);
+    /// Row-wise RMS norm over groups of `w.len()` columns (a row may hold several heads), times w.
+    fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32, out: &mut Self::Act);
+    /// In-place variant of `rms_norm`.
+    fn rms_norm_inplace(&self, x: &mut Self::Act, w: &Self::Vector, eps: f32);
+    /// out = x · Wᵀ (+ bias): out[t][r] = dot(W row r, x row t).
+    fn matmul(
+        &self,
+        w: &Self::Weight,
+        x: &Self::Act,
+        bias: Option<&Self::Vector>,
+        out: &mut Self::Act,
+    );
+    /// Rotate each head of each row by its position.
+    fn rope(&self, x: &mut Self::Act, positions: &[u32], rope: Rope);
+    fn scale(&self, x: &mut Self::Act, s: f32);
+    /// x += y.
+    fn add(&self, x: &mut Self::Act, y: &Self::Act);
+    /// gate = act(gate) * up.
+    fn glu(&self, gate: &mut Self::Act, up: &Self::Act, act: Activation);
+    /// Write rows of k and v into the cache at the given physical slots (block * block_size + offset).
+    fn kv_write(
+        &self,
+        kv: &mut Self::Kv,
+        layer: usize,
+        k: &Self::Act,
+        v: &Self::Act,
+        slots: &[usize],
+    );
+    /// Causal attention of each q row over its sequence's cached keys and values.
+    fn attention(
+        &self,
+        q: &Self::Act,
+        kv: &Self::Kv,
+        layer: usize,
+        queries: &[AttnQuery<'_>],
+        shape: AttnShape,
+        out: &mut Self::Act,
+    );
+    /// A new activation holding the given rows of x.
+    fn gather_rows(&self, x: &Self::Act, rows: &[usize]) -> Self::Act;
+    /// Copy an activation back to host memory, row-major.
+    fn to_host(&self, x: &Self::Act) -> Vec<f32>;
+}

@@ -1,0 +1,181 @@
+//! Hyperparameters read from GGUF metadata (`{arch}.*` keys), one struct for every supported
+//! architecture. Invariants: `n_head % n_head_kv == 0`, `head_dim` is even (RoPE rotates pairs), and
+//! `layers.len() == n_layer`; anything else is a load error naming the key.
+
+use anyhow::{bail, Context, Result};
+
+use crate::format::Gguf;
+
+/// The architectures the forward loop knows, and the variations each one switches on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+    Gemma3,
+}
+
+impl Arch {
+    pub fn from_name(name: &str) -> Result<Arch> {
+        Ok(match name {
+            "llama" | "mistral" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            "gemma3" => Arch::Gemma3,
+            other => bail!(
+                "unsupported architecture `{other}` (supported: llama, mistral, qwen2, gemma3)"
+            ),
+        })
+    }
+}
+
+/// How RoPE pairs dimensions: `Normal` rotates (2i, 2i+1) (llama), `Neox` rotates (i, i + d/2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    Normal,
+    Neox,
+}
+
+/// The gated feed-forward's activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU: silu(gate) * up.
+    Silu,
+    /// GeGLU with the tanh approximation of GELU, as ggml computes it.
+    GeluTanh,
+}
+
+/// Per-layer attention variation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerConfig {
+    /// Sliding window in tokens: a query at position p sees keys at p - window < k <= p. None = full.
+    pub window: Option<u32>,
+    pub rope_base: f32,
+}
+
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub n_ctx_train: usize,
+    pub norm_eps: f32,
+    pub rope_style: RopeStyle,
+    pub activation: Activation,
+    /// Multiplier applied to the token embedding (gemma: sqrt(n_embd)).
+    pub embd_scale: f32,
+    /// Scale applied to q before the dot with k (1/sqrt(head_dim) for most).
+    pub attn_scale: f32,
+    /// True when q is scaled before attention (gemma) rather than the scores after (llama).
+    pub scale_q_first: bool,
+    pub layers: Vec<LayerConfig>,
+}
+
+fn req_u64(g: &Gguf, key: &str) -> Result<usize> {
+    let v = g
+        .get_u64(key)
+        .with_context(|| format!("GGUF metadata `{key}` is missing or not an integer"))?;
+    usize::try_from(v).with_context(|| format!("GGUF metadata `{key}` = {v} is too large"))
+}
+
+impl ModelConfig {
+    pub fn from_gguf(g: &Gguf) -> Result<ModelConfig> {
+        let arch_name = g
+            .architecture()
+            .context("GGUF metadata `general.architecture` is missing")?;
+        let arch = Arch::from_name(arch_name)?;
+        let k = |s: &str| format!("{arch_name}.{s}");
+        let n_layer = req_u64(g, &k("block_count"))?;
+        let n_embd = req_u64(g, &k("embedding_length"))?;
+        let n_ff = req_u64(g, &k("feed_forward_length"))?;
+        let n_head = req_u64(g, &k("attention.head_count"))?;
+        let n_head_kv = g
+            .get_u64(&k("attention.head_count_kv"))
+            .map(|v| v as usize)
+            .unwrap_or(n_head);
+        let head_dim = g
+            .get_u64(&k("attention.key_length"))
+            .map(|v| v as usize)
+            .unwrap_or(if n_head > 0 { n_embd / n_head } else { 0 });
+        if let Some(vl) = g.get_u64(&k("attention.value_length")) {
+            if vl as usize != head_dim {
+                bail!("value_length {vl} != key_length {head_dim} is not supported");
+            }
+        }
+        if n_layer == 0 || n_embd == 0 || n_head == 0 || n_head_kv == 0 || head_dim == 0 {
+            bail!("model has a zero dimension (layers {n_layer}, embd {n_embd}, heads {n_head}/{n_head_kv}, head_dim {head_dim})");
+        }
+        if n_head % n_head_kv != 0 {
+            bail!("head_count {n_head} is not a multiple of head_count_kv {n_head_kv}");
+        }
+        if head_dim % 2 != 0 {
+            bail!("head dimension {head_dim} is odd; RoPE needs pairs");
+        }
+        let vocab_size = match g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
+            Some(a) => a.len(),
+            None => req_u64(g, &k("vocab_size"))?,
+        };
+        let n_ctx_train = g.get_u64(&k("context_length")).unwrap_or(4096) as usize;
+        let norm_eps = g
+            .get_f32(&k("attention.layer_norm_rms_epsilon"))
+            .unwrap_or(1e-5);
+        let rope_base = g.get_f32(&k("rope.freq_base")).unwrap_or(10000.0);
+        let window = g.get_u64(&k("attention.sliding_window")).map(|w| w as u32);
+
+        let (rope_style, activation, embd_scale, scale_q_first) = match arch {
+            Arch::Llama => (RopeStyle::Normal, Activation::Silu, 1.0, false),
+            Arch::Qwen2 => (RopeStyle::Neox, Activation::Silu, 1.0, false),
+            Arch::Gemma3 => (
+                RopeStyle::Neox,
+                Activation::GeluTanh,
+                (n_embd as f32).sqrt(),
+                true,
+            ),
+        };
+        let layers = (0..n_layer)
+            .map(|il| match arch {
+                // Gemma 3: five sliding-window layers (local RoPE base 10k), then one global.
+                Arch::Gemma3 if il % 6 < 5 => LayerConfig {
+                    window,
+                    rope_base: 10_000.0,
+                },
+                Arch::Gemma3 => LayerConfig {
+                    window: None,
+                    rope_base,
+                },
+                // Mistral-style: every layer slides when a window is given.
+                _ => LayerConfig { window, rope_base },
+            })
+            .collect();
+        Ok(ModelConfig {
+            arch,
+            n_layer,
+            n_embd,
+            n_ff,
+            n_head,
+            n_head_kv,
+            head_dim,
+            vocab_size,
+            n_ctx_train,
+            norm_eps,
+            rope_style,
+            activation,
+            embd_scale,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            scale_q_first,
+            layers,
+        })
+    }
+
+    /// Width of one token's K (or V) across all KV heads.
+    pub fn kv_dim(&self) -> usize {
+        self.n_head_kv * self.head_dim
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+}

@@ -1,0 +1,151 @@
+//! The forward loop: one pass of the transformer over a batch of (sequence, position, token) entries,
+//! readable top to bottom and the same for every backend. Prefill, decode, batched decode and
+//! speculative verification are all this one call. Invariants: every entry's position has a KV block
+//! in its block table; entries of one sequence may appear in any number, and each sees the keys at
+//! positions up to its own (those written by this very batch included).
+
+use anyhow::{bail, Result};
+
+use crate::model::backend::{AttnQuery, AttnShape, Backend, Rope};
+use crate::model::config::ModelConfig;
+use crate::model::weights::Weights;
+
+/// One token to run through the model.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchEntry<'a> {
+    pub token: u32,
+    pub pos: u32,
+    /// Physical KV blocks of this entry's sequence (must cover `pos`).
+    pub block_table: &'a [u32],
+    /// Return logits for this entry.
+    pub logits: bool,
+}
+
+pub struct Model<B: Backend> {
+    pub cfg: ModelConfig,
+    pub weights: Weights<B>,
+    pub backend: B,
+    /// Positions per KV block.
+    pub block_size: usize,
+}
+
+impl<B: Backend> Model<B> {
+    /// Runs the batch and returns the logits of the entries that asked for them, in batch order.
+    pub fn forward(&self, kv: &mut B::Kv, batch: &[BatchEntry<'_>]) -> Result<Vec<Vec<f32>>> {
+        let (cfg, w, be) = (&self.cfg, &self.weights, &self.backend);
+        let n = batch.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let bs = self.block_size;
+        let mut slots = Vec::with_capacity(n);
+        for e in batch {
+            let b = e.pos as usize / bs;
+            let Some(&block) = e.block_table.get(b) else {
+                bail!("position {} has no KV block (table holds {})", e.pos, e.block_table.len());
+            };
+            if e.token as usize >= cfg.vocab_size {
+                bail!("token id {} is outside the vocabulary (size {})", e.token, cfg.vocab_size);
+            }
+            slots.push(block as usize * bs + e.pos as usize % bs);
+        }
+        let tokens: Vec<u32> = batch.iter().map(|e| e.token).collect();
+        let positions: Vec<u32> = batch.iter().map(|e| e.pos).collect();
+
+        let (d, qd, kvd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
+        let mut x = be.act(n, d); // (n, n_embd) residual stream
+        be.embed(&w.token_embd, &tokens, cfg.embd_scale, &mut x);
+        let mut h = be.act(n, d); // (n, n_embd) normed input of a block
+        let mut q = be.act(n, qd); // (n, n_head * head_dim)
+        let mut k = be.act(n, kvd); // (n, n_head_kv * head_dim)
+        let mut v = be.act(n, kvd);
+        let mut attn = be.act(n, qd);
+        let mut o = be.act(n, d);
+        let mut gate = be.act(n, ff); // (n, n_ff)
+        let mut up = be.act(n, ff);
+
+        for (il, (lw, lc)) in w.layers.iter().zip(&cfg.layers).enumerate() {
+            // attention block
+            be.rms_norm(&x, &lw.attn_norm, cfg.norm_eps, &mut h);
+            be.matmul(&lw.wq, &h, lw.bq.as_ref(), &mut q);
+            be.matmul(&lw.wk, &h, lw.bk.as_ref(), &mut k);
+            be.matmul(&lw.wv, &h, lw.bv.as_ref(), &mut v);
+            if let Some(qn) = &lw.q_norm {
+                be.rms_norm_inplace(&mut q, qn, cfg.norm_eps);
+            }
+            if let Some(kn) = &lw.k_norm {
+                be.rms_norm_inplace(&mut k, kn, cfg.norm_eps);
+            }
+            let rope = Rope {
+                style: cfg.rope_style,
+                base: lc.rope_base,
+                head_dim: cfg.head_dim,
+            };
+            be.rope(&mut q, &positions, rope);
+            be.rope(&mut k, &positions, rope);
+            if cfg.scale_q_first {
+                be.scale(&mut q, cfg.attn_scale);
+            }
+            be.kv_write(kv, il, &k, &v, &slots);
+            let queries: Vec<AttnQuery<'_>> = batch
+                .iter()
+                .map(|e| AttnQuery {
+                    block_table: e.block_table,
+                    pos: e.pos,
+                    lo: match lc.window {
+                        Some(win) => (e.pos + 1).saturating_sub(win),
+                        None => 0,
+                    },
+                })
+                .collect();
+            let shape = AttnShape {
+                n_head: cfg.n_head,
+                n_head_kv: cfg.n_head_kv,
+                head_dim: cfg.head_dim,
+                scale: if cfg.scale_q_first { 1.0 } else { cfg.attn_scale },
+            };
+            be.attention(&q, kv, il, &queries, shape, &mut attn);
+            be.matmul(&lw.wo, &attn, None, &mut o);
+            if let Some(pn) = &lw.post_attn_norm {
+                be.rms_norm_inplace(&mut o, pn, cfg.norm_eps);
+            }
+            be.add(&mut x, &o);
+
+            // feed-forward block
+            be.rms_norm(&x, &lw.ffn_norm, cfg.norm_eps, &mut h);
+            be.matmul(&lw.w_gate, &h, None, &mut gate);
+            be.matmul(&lw.w_up, &h, None, &mut up);
+            be.glu(&mut gate, &up, cfg.activation);
+            be.matmul(&lw.w_down, &gate, None, &mut o);
+            if let Some(pn) = &lw.post_ffn_norm {
+                be.rms_norm_inplace(&mut o, pn, cfg.norm_eps);
+            }
+            be.add(&mut x, &o);
+        }
+
+        // output head, only for the rows that want logits
+        let want: Vec<usize> = (0..n).filter(|&i| batch[i].logits).collect();
+        if want.is_empty() {
+            return Ok(Vec::new());
+        }
+        let xs = if want.len() == n {
+            x
+        } else {
+            be.gather_rows(&x, &want)
+        };
+        let mut hs = be.act(want.len(), d);
+        be.rms_norm(&xs, &w.output_norm, cfg.norm_eps, &mut hs);
+        let mut logits = be.act(want.len(), cfg.vocab_size);
+        be.matmul(
+            w.output.as_ref().unwrap_or(&w.token_embd),
+            &hs,
+            None,
+            &mut logits,
+        );
+        let flat = be.to_host(&logits);
+        Ok(flat
+            .chunks_exact(cfg.vocab_size)
+            .map(|r| r.to_vec())
+            .collect())
+    }
+}

@@ -1,0 +1,168 @@
+//! Quantized block layouts as ggml defines them, with scalar reference dequantize, quantize and dot.
+//!
+//! This module owns the meaning of tensor bytes: `blocks` (ggml's `#[repr(C)]` block structs and
+//! their safe little-endian codecs), `dequant` (`dequantize_row_*`), `quantize` (activation Q8
+//! quantizers and legacy/float weight quantizers), `kquantize` (the k-quant `*_ref` weight
+//! quantizers) and `dot` (ggml's generic `ggml_vec_dot_*`). Everything is scalar, safe Rust
+//! operating on unaligned byte slices, and reproduces ggml's arithmetic bit-for-bit (same rounding
+//! functions, same expression order, no fused multiply-add): it is the reference the SIMD kernels
+//! are tested against. A matmul row is computed as ggml-cpu does: quantize the f32 activations once
+//! to [`vec_dot_type`] of the weight type ([`quantize_activations`]), then [`vec_dot`] each weight
+//! row with them.
+
+pub mod blocks;
+pub mod dequant;
+pub mod dot;
+pub mod kquantize;
+pub mod quantize;
+
+use anyhow::{bail, ensure, Result};
+
+use crate::format::GgmlType;
+use blocks::{Block, BlockQ8K, BlockQ8_0, BlockQ8_1};
+
+pub use dequant::dequantize_row;
+pub use quantize::{
+    quantize_row_q8_0, quantize_row_q8_0_as, quantize_row_q8_1, quantize_row_q8_1_as,
+    quantize_row_q8_k, Q8Variant,
+};
+
+/// The activation format a weight type's dot product consumes (ggml-cpu's `vec_dot_type`):
+/// Q8_0 for Q4_0/Q5_0/Q8_0 (and IQ4_NL, MXFP4), Q8_1 for Q4_1/Q5_1, Q8_K for the k-quants,
+/// i-quants and ternary types, and the type itself for F32, F16 and BF16. The activation formats
+/// Q8_1 and Q8_K map to themselves; integer and F64 types, which have no dot product, to F32.
+pub fn vec_dot_type(ty: GgmlType) -> GgmlType {
+    use GgmlType::*;
+    match ty {
+        F16 => F16,
+        BF16 => BF16,
+        Q4_0 | Q5_0 | Q8_0 | IQ4NL | MXFP4 => Q8_0,
+        Q4_1 | Q5_1 | Q8_1 => Q8_1,
+        Q2K | Q3K | Q4K | Q5K | Q6K | Q8K | IQ2XXS | IQ2XS | IQ3XXS | IQ1S | IQ3S | IQ2S
+        | IQ4XS | IQ1M | TQ1_0 | TQ2_0 => Q8K,
+        // F32, and I8..I64 / F64 (no dot product); also any type added to `GgmlType` later.
+        _ => F32,
+    }
+}
+
+/// Bytes one row of `n` activations takes in format `act` (one of F32, F16, BF16, Q8_0, Q8_1,
+/// Q8_K), using ggml's block sizes. (Q8_1 blocks are 36 bytes in ggml; gguf-py's size table still
+/// says 40, from an older f32 layout — Q8_1 never appears in files, so only this size matters.)
+pub fn activation_row_bytes(act: GgmlType, n: usize) -> Result<usize> {
+    let (elems, bytes) = match act {
+        GgmlType::F32 => (1, 4),
+        GgmlType::F16 | GgmlType::BF16 => (1, 2),
+        GgmlType::Q8_0 => (BlockQ8_0::ELEMS, BlockQ8_0::BYTES),
+        GgmlType::Q8_1 => (BlockQ8_1::ELEMS, BlockQ8_1::BYTES),
+        GgmlType::Q8K => (BlockQ8K::ELEMS, BlockQ8K::BYTES),
+        other => bail!("{} is not an activation format", other.name()),
+    };
+    ensure!(
+        n % elems == 0,
+        "{} activations: {n} values is not a whole number of {elems}-value blocks",
+        act.name()
+    );
+    Ok(n / elems * bytes)
+}
+
+/// Quantizes an f32 activation row into `vec_dot_type(ty)` bytes, replacing `dst`'s contents,
+/// with ggml's reference rounding ([`Q8Variant::Reference`]). F32 gives the values' little-endian
+/// bytes, F16/BF16 their round-to-nearest-even conversions.
+pub fn quantize_activations(ty: GgmlType, src: &[f32], dst: &mut Vec<u8>) -> Result<()> {
+    quantize_activations_as(ty, src, dst, Q8Variant::Reference)
+}
+
+/// [`quantize_activations`] reproducing a specific ggml-cpu build's Q8_0/Q8_1 quantizer
+/// (`variant` does not affect the other formats: ggml has a single Q8_K/F16/BF16 path).
+pub fn quantize_activations_as(
+    ty: GgmlType,
+    src: &[f32],
+    dst: &mut Vec<u8>,
+    variant: Q8Variant,
+) -> Result<()> {
+    let act = vec_dot_type(ty);
+    if !supports_vec_dot(ty) {
+        bail!("no dot product for weight type {}", ty.name());
+    }
+    dst.clear();
+    dst.resize(activation_row_bytes(act, src.len())?, 0);
+    match act {
+        GgmlType::F32 => quantize::quantize_row_f32(src, dst),
+        GgmlType::F16 => quantize::quantize_row_f16(src, dst),
+        GgmlType::BF16 => quantize::quantize_row_bf16(src, dst),
+        GgmlType::Q8_0 => quantize_row_q8_0_as(src, dst, variant),
+        GgmlType::Q8_1 => quantize_row_q8_1_as(src, dst, variant),
+        GgmlType::Q8K => quantize_row_q8_k(src, dst),
+        other => bail!("{} is not an activation format", other.name()),
+    }
+    Ok(())
+}
+
+/// Whether [`vec_dot`] handles weight type `ty`: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+/// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+pub fn supports_vec_dot(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(
+        ty,
+        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2K | Q3K | Q4K | Q5K | Q6K
+    )
+}
+
+/// Scalar reference: the dot of one weight row (`n` elements of `ty`, exactly its bytes) with
+/// activations already in `vec_dot_type(ty)` (exactly `n` of them).
+///
+/// Panics if `ty` is not [`supports_vec_dot`] or a length is wrong — this is the reference the
+/// kernels are checked against, and callers validate shapes when they load the model.
+pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], act: &[u8]) -> f32 {
+    match ty {
+        GgmlType::F32 => dot::vec_dot_f32(n, w, act),
+        GgmlType::F16 => dot::vec_dot_f16(n, w, act),
+        GgmlType::BF16 => dot::vec_dot_bf16(n, w, act),
+        GgmlType::Q4_0 => dot::vec_dot_q4_0_q8_0(n, w, act),
+        GgmlType::Q4_1 => dot::vec_dot_q4_1_q8_1(n, w, act),
+        GgmlType::Q5_0 => dot::vec_dot_q5_0_q8_0(n, w, act),
+        GgmlType::Q5_1 => dot::vec_dot_q5_1_q8_1(n, w, act),
+        GgmlType::Q8_0 => dot::vec_dot_q8_0_q8_0(n, w, act),
+        GgmlType::Q2K => dot::vec_dot_q2k_q8k(n, w, act),
+        GgmlType::Q3K => dot::vec_dot_q3k_q8k(n, w, act),
+        GgmlType::Q4K => dot::vec_dot_q4k_q8k(n, w, act),
+        GgmlType::Q5K => dot::vec_dot_q5k_q8k(n, w, act),
+        GgmlType::Q6K => dot::vec_dot_q6k_q8k(n, w, act),
+        other => panic!("no scalar dot product for weight type {}", other.name()),
+    }
+}
+
+/// Quantizes f32 weights into `ty` (replacing `dst`'s contents) with ggml's deterministic
+/// reference quantizers (`quantize_row_*_ref`, no importance matrix): F32, F16, BF16, Q4_0, Q4_1,
+/// Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. Errors for other types or a length that is
+/// not a whole number of blocks.
+pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut Vec<u8>) -> Result<()> {
+    let f: fn(&[f32], &mut [u8]) = match ty {
+        GgmlType::F32 => quantize::quantize_row_f32,
+        GgmlType::F16 => quantize::quantize_row_f16,
+        GgmlType::BF16 => quantize::quantize_row_bf16,
+        GgmlType::Q4_0 => quantize::quantize_row_q4_0,
+        GgmlType::Q4_1 => quantize::quantize_row_q4_1,
+        GgmlType::Q5_0 => quantize::quantize_row_q5_0,
+        GgmlType::Q5_1 => quantize::quantize_row_q5_1,
+        GgmlType::Q8_0 => quantize::quantize_row_q8_0,
+        GgmlType::Q2K => kquantize::quantize_row_q2k,
+        GgmlType::Q3K => kquantize::quantize_row_q3k,
+        GgmlType::Q4K => kquantize::quantize_row_q4k,
+        GgmlType::Q5K => kquantize::quantize_row_q5k,
+        GgmlType::Q6K => kquantize::quantize_row_q6k,
+        other => bail!("quantization to {} is not supported", other.name()),
+    };
+    let Some(bytes) = ty.row_bytes(src.len()) else {
+        bail!(
+            "{} row of {} values is not a whole number of {}-value blocks",
+            ty.name(),
+            src.len(),
+            ty.block_size()
+        );
+    };
+    dst.clear();
+    dst.resize(bytes, 0);
+    f(src, dst);
+    Ok(())
+}

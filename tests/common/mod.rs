@@ -1,0 +1,69 @@
+//! Shared helpers for integration tests: the real `infer` binary, the real model files, and the
+//! llama.cpp reference outputs copied from ../shared/refs into tests/fixtures/refs.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+pub const QWEN: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
+pub const GEMMA: &str = "gemma-3-270m-q4_k_m.gguf";
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Path of a real model; fails (never skips) with the command that fetches it.
+pub fn model(file: &str) -> PathBuf {
+    let dir = std::env::var_os("INFER_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("models"));
+    let p = dir.join(file);
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch-models.sh first",
+        p.display()
+    );
+    p
+}
+
+pub fn fixture(rel: &str) -> PathBuf {
+    root().join("tests/fixtures").join(rel)
+}
+
+/// Runs the real binary with the given args and stdin.
+pub fn infer(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_infer"));
+    cmd.args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn infer");
+    if let Some(s) = stdin {
+        use std::io::Write;
+        let mut w = child.stdin.take().unwrap();
+        w.write_all(s.as_bytes()).unwrap();
+    }
+    child.wait_with_output().expect("wait for infer")
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8(o.stdout.clone()).expect("stdout is UTF-8")
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs and asserts success, returning stdout.
+#[macro_export]
+macro_rules! infer_ok {
+    ($stdin:expr; $($arg:expr),+ $(,)?) => {{
+        let o = common::infer(&[$($arg),+], $stdin);
+        assert!(o.status.success(), "infer failed ({:?}): {}", o.status, common::stderr(&o));
+        common::stdout(&o)
+    }};
+}
