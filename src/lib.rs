@@ -5,6 +5,7 @@
 //! thread pool) → `model` (names, shapes, the forward loop) → `engine` (sequences, KV blocks, sampler,
 //! generation) → `cli` (the `infer` command, a client of the engine).
 
+pub mod chat;
 pub mod engine;
 pub mod format;
 pub mod kernels;

@@ -21,6 +21,10 @@ pub enum Command {
     Run(RunArgs),
     /// Print the token ids of a text as a JSON array
     Tokenize(TokenizeArgs),
+    /// Talk with a model: an interactive chat using its chat template
+    Chat(ChatArgs),
+    /// Measure prompt processing and generation speed, and memory bandwidth
+    Bench(BenchArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -73,9 +77,54 @@ pub struct RunArgs {
     /// Do not add the BOS token even if the model asks for it
     #[arg(long)]
     pub no_bos: bool,
+    /// Wrap the prompt in the model's chat template as one user message
+    #[arg(long, conflicts_with = "prompt_ids")]
+    pub chat: bool,
+    /// System prompt for --chat
+    #[arg(long, requires = "chat", value_name = "TEXT")]
+    pub system: Option<String>,
     /// One JSON object per line: per token {"id","text"}, then a summary
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// System prompt
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+    /// Jinja chat template file to use instead of the model's
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// Maximum tokens per answer
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 512)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 = greedy
+    #[arg(long, default_value_t = 0.8)]
+    pub temp: f32,
+    /// Keep only the K most likely tokens (0 = off)
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability sums to P (1 = off)
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than P times the most likely one (0 = off)
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Penalize tokens seen in the last 64 (1 = off)
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Random seed (default: from the clock)
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Context size in tokens (default: 4096, at most the model's training context)
+    #[arg(short, long)]
+    pub ctx: Option<usize>,
+    /// Do not read or write the input history file
+    #[arg(long)]
+    pub no_history: bool,
 }
 
 #[derive(Args, Debug)]
@@ -93,4 +142,25 @@ pub struct TokenizeArgs {
     /// Read one JSON string per stdin line; write one JSON array of ids per line
     #[arg(long, conflicts_with = "text")]
     pub jsonl: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt tokens processed in one batch (0 = skip the pp test)
+    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
+    pub n_prompt: usize,
+    /// Tokens generated one at a time (0 = skip the tg test)
+    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
+    pub n_gen: usize,
+    /// Repetitions of each test
+    #[arg(short = 'r', long = "reps", default_value_t = 5)]
+    pub reps: usize,
+    /// Tokens already in the context before each test
+    #[arg(short = 'd', long, default_value_t = 0)]
+    pub depth: usize,
+    /// One JSON object on stdout instead of the table
+    #[arg(long)]
+    pub json: bool,
 }

@@ -2,6 +2,8 @@
 //! it resolves models, reads prompts, and prints; results go to stdout, diagnostics to stderr.
 
 mod args;
+mod bench;
+mod chat;
 mod load;
 mod run;
 mod tokenize;
@@ -44,6 +46,8 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(a) => run::run(a),
         Command::Tokenize(a) => tokenize::tokenize(a),
+        Command::Chat(a) => chat::chat(a),
+        Command::Bench(a) => bench::bench(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -25,7 +25,7 @@ pub fn tokenize(a: TokenizeArgs) -> Result<()> {
             let text: String = serde_json::from_str(&line)
                 .map_err(|e| UsageError(format!("stdin line {}: not a JSON string: {e}", i + 1)))?;
             let ids = tok.encode(&text, add_bos, special)?;
-            writeln!(out, "{}", serde_json::to_string(&ids)?)?;
+            writeln!(out, "{}", id_array(&ids))?;
         }
         return Ok(());
     }
@@ -34,7 +34,7 @@ pub fn tokenize(a: TokenizeArgs) -> Result<()> {
         Some(t) => t.to_string(),
     };
     let ids = tok.encode(&text, add_bos, special)?;
-    writeln!(out, "{}", serde_json::to_string(&ids)?)?;
+    writeln!(out, "{}", id_array(&ids))?;
     Ok(())
 }
 
@@ -60,4 +60,10 @@ pub fn read_stdin_text(what: &str) -> Result<String> {
         }
     }
     Ok(s)
+}
+
+/// `[9707, 1879]`: a JSON array spaced as Python and llama.cpp's tools print it.
+fn id_array(ids: &[u32]) -> String {
+    let items: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+    format!("[{}]", items.join(", "))
 }

@@ -3,6 +3,7 @@
 //! through the model, `sampler` and `stop` pick tokens and end generation, `generate` is the loop.
 
 pub mod blocks;
+pub mod generate;
 pub mod runner;
 
 pub mod sampler;

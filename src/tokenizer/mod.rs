@@ -18,8 +18,9 @@ pub mod pretok;
 mod special;
 mod spm;
 mod stream;
+mod unicode_classes;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 
 use crate::format::{Gguf, Value};
 use hash::{map_with_capacity, FxHashMap};
@@ -82,7 +83,6 @@ enum Kind {
     },
     Bpe {
         bpe: Box<bpe::Bpe>,
-        classifier: pretok::Classifier,
         char_to_byte: Vec<Option<u8>>,
     },
 }
@@ -510,8 +510,9 @@ impl Tokenizer {
             if slot.is_some() {
                 continue;
             }
-            // llama.cpp takes the first hit of a hash-map walk; the lowest id is the stable choice.
-            if let Some(id) = texts.iter().filter_map(|t| lookup.get(*t).copied()).min() {
+            // llama.cpp takes the first hit of a hash-map walk (e.g. `<|im_end|>` over
+            // `<|endoftext|>` for Qwen); the first text of the list is the stable equivalent.
+            if let Some(id) = texts.iter().find_map(|t| lookup.get(*t).copied()) {
                 *slot = Some(id);
                 attrs[id as usize] |= attr::CONTROL;
             }
@@ -610,7 +611,6 @@ impl Tokenizer {
                 let merges = merges.ok_or_else(|| anyhow!("{}: missing", key("merges")))?;
                 Kind::Bpe {
                     bpe: Box::new(bpe::Bpe::new(&merges, &lookup, n_u32, pre, ignore_merges)),
-                    classifier: pretok::Classifier::new().context("building the pre-tokenizer")?,
                     char_to_byte: bpe::char_to_byte_table(),
                 }
             }
@@ -676,14 +676,12 @@ impl Tokenizer {
                     }
                 }
             }
-            Kind::Bpe {
-                bpe, classifier, ..
-            } => {
+            Kind::Bpe { bpe, .. } => {
                 for f in frags {
                     match f {
                         Fragment::Text(a, b) => {
                             let frag = &text[a..b];
-                            for (s, e) in bpe.pre.split(frag, classifier) {
+                            for (s, e) in bpe.pre.split(frag) {
                                 bpe.encode_word(&frag.as_bytes()[s..e], &self.lookup, &mut out);
                             }
                         }

@@ -9,10 +9,9 @@
 //! matched case-sensitively as `'[sS]`, never through Unicode case folding).
 //!
 //! Invariants: [`PreTokenizer::split`] returns non-empty byte ranges, in order, that tile the input
-//! exactly; every range starts and ends on a char boundary. Character classes follow llama.cpp's
-//! flags: letter = `\p{L}`, number = `\p{N}`, punctuation = `\p{P}`, whitespace = `White_Space`.
-
-use tokenizers::utils::SysRegex;
+//! exactly; every range starts and ends on a char boundary. Character classes are llama.cpp's own
+//! (letter, number, punctuation, whitespace from its Unicode tables, see [`super::unicode_classes`]),
+//! not those of Rust's Unicode version.
 
 /// The splitting rules of one `tokenizer.ggml.pre` family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,13 +44,12 @@ impl PreTokenizer {
         })
     }
 
-    /// Splits `text` into words; see the module invariants. `classifier` supplies the Unicode
-    /// classes of non-ASCII code points.
-    pub(crate) fn split(self, text: &str, classifier: &Classifier) -> Vec<(usize, usize)> {
+    /// Splits `text` into words; see the module invariants.
+    pub(crate) fn split(self, text: &str) -> Vec<(usize, usize)> {
         if text.is_empty() {
             return Vec::new();
         }
-        let cpts = classifier.classify(text, self == PreTokenizer::Default);
+        let cpts = classify(text);
         let whole = vec![(0, cpts.len())];
         let ranges = match self {
             PreTokenizer::Gpt2 => split_gpt2(&cpts, &whole),
@@ -120,79 +118,37 @@ fn ascii_flags(b: u8) -> u8 {
     f
 }
 
-/// Classifies code points into llama.cpp's categories: ASCII from a table, the rest with the
-/// Unicode tables of the standard library (`\p{N}`, `White_Space`) and of the regex engine
-/// (`\p{L}`, `\p{P}`).
-pub(crate) struct Classifier {
-    letters: SysRegex,
-    punctuation: SysRegex,
+/// The flags of a non-ASCII code point, from llama.cpp's tables.
+fn table_flags(ch: char) -> u8 {
+    use super::unicode_classes::{L, N, P, RANGES, W};
+    let c = u32::from(ch);
+    let i = RANGES.partition_point(|&(start, _)| start <= c);
+    let class = RANGES[i.saturating_sub(1)].1;
+    DEFINED
+        | match class {
+            L => LETTER,
+            N => NUMBER,
+            P => PUNCT | DEFAULT_PUNCT,
+            W => WHITESPACE,
+            _ => 0,
+        }
 }
 
-impl std::fmt::Debug for Classifier {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Classifier")
-    }
-}
-
-impl Classifier {
-    pub(crate) fn new() -> anyhow::Result<Classifier> {
-        let compile = |p: &str| {
-            SysRegex::new(p).map_err(|e| anyhow::anyhow!("compiling the Unicode class {p}: {e}"))
+/// The code points of `text` with their flags.
+fn classify(text: &str) -> Cpts {
+    let mut cpts = Vec::with_capacity(text.len());
+    let mut offsets = Vec::with_capacity(text.len() + 1);
+    for (i, ch) in text.char_indices() {
+        let flags = if ch.is_ascii() {
+            ascii_flags(ch as u8)
+        } else {
+            table_flags(ch)
         };
-        Ok(Classifier {
-            letters: compile(r"\p{L}+")?,
-            punctuation: compile(r"\p{P}+")?,
-        })
+        cpts.push(Cpt { ch, flags });
+        offsets.push(i);
     }
-
-    fn classify(&self, text: &str, need_punct: bool) -> Cpts {
-        let mut cpts = Vec::with_capacity(text.len());
-        let mut offsets = Vec::with_capacity(text.len() + 1);
-        let mut any_non_ascii = false;
-        for (i, ch) in text.char_indices() {
-            let flags = if ch.is_ascii() {
-                ascii_flags(ch as u8)
-            } else {
-                any_non_ascii = true;
-                let mut f = DEFINED;
-                if ch.is_whitespace() {
-                    f |= WHITESPACE;
-                } else if ch.is_numeric() {
-                    f |= NUMBER;
-                }
-                f
-            };
-            cpts.push(Cpt { ch, flags });
-            offsets.push(i);
-        }
-        offsets.push(text.len());
-        let mut out = Cpts { cpts, offsets };
-        if any_non_ascii {
-            mark(&mut out, &self.letters, text, LETTER);
-            if need_punct {
-                mark(&mut out, &self.punctuation, text, PUNCT | DEFAULT_PUNCT);
-            }
-        }
-        out
-    }
-}
-
-/// Sets `flag` on the non-ASCII code points inside the matches of `re` (ASCII ones are already
-/// classified from the table).
-fn mark(cpts: &mut Cpts, re: &SysRegex, text: &str, flag: u8) {
-    let mut i = 0;
-    for (start, end) in re.find_iter(text) {
-        while i < cpts.len() && cpts.offsets[i] < start {
-            i += 1;
-        }
-        while i < cpts.len() && cpts.offsets[i] < end {
-            let c = &mut cpts.cpts[i];
-            if !c.ch.is_ascii() && c.flags & WHITESPACE == 0 {
-                c.flags |= flag;
-            }
-            i += 1;
-        }
-    }
+    offsets.push(text.len());
+    Cpts { cpts, offsets }
 }
 
 /// Reads code points of one range `[ini, end)`; positions outside it read as "out of range"
@@ -488,8 +444,7 @@ mod tests {
     use super::*;
 
     fn words(pre: PreTokenizer, text: &str) -> Vec<String> {
-        let c = Classifier::new().unwrap();
-        pre.split(text, &c)
+        pre.split(text)
             .into_iter()
             .map(|(a, b)| text[a..b].to_string())
             .collect()
@@ -535,8 +490,23 @@ mod tests {
     }
 
     #[test]
+    fn classes_come_from_llama_cpp_tables() {
+        assert_eq!(table_flags('é'), DEFINED | LETTER);
+        assert_eq!(table_flags('٣'), DEFINED | NUMBER);
+        assert_eq!(table_flags('«'), DEFINED | PUNCT | DEFAULT_PUNCT);
+        assert_eq!(table_flags('\u{3000}'), DEFINED | WHITESPACE);
+        assert_eq!(table_flags('€'), DEFINED);
+        assert_eq!(table_flags('\u{10FFFF}'), DEFINED);
+        // Kirat Rai (Unicode 16) is a letter to Rust but unassigned in llama.cpp's tables.
+        assert!('\u{16D43}'.is_alphabetic());
+        assert_eq!(table_flags('\u{16D43}'), DEFINED);
+        for ch in (0u8..128).map(char::from) {
+            assert_eq!(ascii_flags(ch as u8) & !DEFAULT_PUNCT, table_flags(ch) & !DEFAULT_PUNCT);
+        }
+    }
+
+    #[test]
     fn pieces_tile_the_input() {
-        let c = Classifier::new().unwrap();
         let text = "fn main() {\r\n\tlet x = \"héllo\"; // 🦀 ok\u{a0}\n}\n\n\n   ";
         for pre in [
             PreTokenizer::Gpt2,
@@ -544,7 +514,7 @@ mod tests {
             PreTokenizer::Qwen2,
             PreTokenizer::Default,
         ] {
-            let r = pre.split(text, &c);
+            let r = pre.split(text);
             assert_eq!(r.first().unwrap().0, 0);
             assert_eq!(r.last().unwrap().1, text.len());
             for w in r.windows(2) {

@@ -4,5 +4,6 @@
 pub mod attention;
 pub mod backend;
 pub mod matmul;
+pub mod membw;
 pub mod ops;
 pub mod pool;

@@ -1,0 +1,212 @@
+//! `infer bench`: prompt processing (pp) and token generation (tg) speed in the manner of llama-bench,
+//! with the machine's memory read bandwidth measured in the same run, interleaved with the runs, so
+//! decode speed can be held against its roofline (tokens/s × bytes read per token ÷ bandwidth).
+
+use std::io::Write;
+use std::time::Instant;
+
+use anyhow::Result;
+use serde_json::json;
+
+use crate::cli::args::BenchArgs;
+use crate::cli::load::load;
+use crate::cli::UsageError;
+use infer::engine::runner::Sequence;
+use infer::kernels::cpu::membw::BandwidthBuffer;
+use infer::model::weights::bytes_per_token;
+
+/// Deterministic pseudo-random token ids (xorshift), as llama-bench feeds random tokens.
+struct Tokens(u64);
+
+impl Tokens {
+    fn next(&mut self, vocab: usize) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % vocab as u64) as u32
+    }
+}
+
+struct Summary {
+    name: String,
+    runs: Vec<f64>,
+}
+
+impl Summary {
+    fn sorted(&self) -> Vec<f64> {
+        let mut v = self.runs.clone();
+        v.sort_by(f64::total_cmp);
+        v
+    }
+    fn median(&self) -> f64 {
+        let v = self.sorted();
+        let n = v.len();
+        if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        }
+    }
+    fn min(&self) -> f64 {
+        self.sorted()[0]
+    }
+    fn max(&self) -> f64 {
+        *self.sorted().last().expect("at least one run")
+    }
+}
+
+pub fn bench(a: BenchArgs) -> Result<()> {
+    if a.reps == 0 {
+        return Err(UsageError("-r/--reps must be at least 1".into()).into());
+    }
+    if a.n_prompt == 0 && a.n_gen == 0 {
+        return Err(UsageError("nothing to measure: -p and -n are both 0".into()).into());
+    }
+    let ctx = a.depth + a.n_prompt.max(a.n_gen) + 1;
+    let loaded = load(&a.model.model, a.model.threads, Some(ctx))?;
+    let mut runner = loaded.runner;
+    if runner.n_ctx() < ctx {
+        return Err(UsageError(format!(
+            "depth + tokens = {ctx} exceeds the model's context of {}",
+            runner.n_ctx()
+        ))
+        .into());
+    }
+    let vocab = runner.vocab_size();
+    let bpt = bytes_per_token(&loaded.gguf);
+    let model_bytes = loaded.gguf.file_size();
+    let mut rng = Tokens(0x9E37_79B9_7F4A_7C15);
+    let buf = BandwidthBuffer::new(512 << 20);
+    let pool = &runner.model.backend.pool;
+    buf.read_once(pool); // warm the pages
+    let mut bandwidth = Summary {
+        name: "bandwidth".into(),
+        runs: Vec::new(),
+    };
+
+    // a fresh sequence at `depth`: prefill the depth tokens, return the sequence
+    let fresh = |runner: &mut infer::engine::runner::Runner<_>, rng: &mut Tokens| -> Result<Sequence> {
+        let mut seq = Sequence::default();
+        if a.depth > 0 {
+            let toks: Vec<u32> = (0..a.depth).map(|_| rng.next(vocab)).collect();
+            runner.extend(&mut seq, &toks)?;
+        }
+        Ok(seq)
+    };
+    // warm-up: a short prefill and two decode steps
+    {
+        let mut seq = fresh(&mut runner, &mut rng)?;
+        let toks: Vec<u32> = (0..4).map(|_| rng.next(vocab)).collect();
+        runner.extend(&mut seq, &toks)?;
+        runner.extend(&mut seq, &[rng.next(vocab)])?;
+        runner.release(&mut seq);
+    }
+    let depth_tag = if a.depth > 0 {
+        format!(" @ d{}", a.depth)
+    } else {
+        String::new()
+    };
+    let mut pp = Summary {
+        name: format!("pp{}{depth_tag}", a.n_prompt),
+        runs: Vec::new(),
+    };
+    let mut tg = Summary {
+        name: format!("tg{}{depth_tag}", a.n_gen),
+        runs: Vec::new(),
+    };
+    for rep in 0..a.reps {
+        if a.n_prompt > 0 {
+            let mut seq = fresh(&mut runner, &mut rng)?;
+            let toks: Vec<u32> = (0..a.n_prompt).map(|_| rng.next(vocab)).collect();
+            let t0 = Instant::now();
+            runner.extend(&mut seq, &toks)?;
+            pp.runs.push(a.n_prompt as f64 / t0.elapsed().as_secs_f64());
+            runner.release(&mut seq);
+        }
+        bandwidth
+            .runs
+            .push(buf.read_once(&runner.model.backend.pool) / 1e9);
+        if a.n_gen > 0 {
+            let mut seq = fresh(&mut runner, &mut rng)?;
+            let t0 = Instant::now();
+            for _ in 0..a.n_gen {
+                runner.extend(&mut seq, &[rng.next(vocab)])?;
+            }
+            tg.runs.push(a.n_gen as f64 / t0.elapsed().as_secs_f64());
+            runner.release(&mut seq);
+        }
+        if !a.json {
+            eprint!("\rinfer: bench repetition {}/{}", rep + 1, a.reps);
+        }
+    }
+    if !a.json {
+        eprintln!();
+    }
+    let tests: Vec<&Summary> = [&pp, &tg].into_iter().filter(|s| !s.runs.is_empty()).collect();
+    let bw = bandwidth.median();
+    let efficiency = (!tg.runs.is_empty()).then(|| tg.median() * bpt as f64 / 1e9 / bw);
+    let name = a.model.model.display().to_string();
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    if a.json {
+        let rows: Vec<_> = tests
+            .iter()
+            .map(|s| {
+                json!({"test": s.name, "tps_median": s.median(), "tps_min": s.min(), "tps_max": s.max(), "runs": s.runs})
+            })
+            .collect();
+        writeln!(
+            out,
+            "{}",
+            json!({
+                "model": name,
+                "model_bytes": model_bytes,
+                "bytes_per_token": bpt,
+                "threads": loaded.threads,
+                "backend": "cpu",
+                "reps": a.reps,
+                "tests": rows,
+                "bandwidth_gbs": {"median": bw, "min": bandwidth.min(), "max": bandwidth.max(), "runs": bandwidth.runs},
+                "decode_efficiency": efficiency,
+            })
+        )?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "| model | size | backend | threads | test | t/s (median) | min – max |"
+    )?;
+    writeln!(out, "|---|---|---|---|---|---|---|")?;
+    for s in &tests {
+        writeln!(
+            out,
+            "| {} | {:.2} GiB | cpu | {} | {} | {:.2} | {:.2} – {:.2} |",
+            name,
+            model_bytes as f64 / (1u64 << 30) as f64,
+            loaded.threads,
+            s.name,
+            s.median(),
+            s.min(),
+            s.max()
+        )?;
+    }
+    writeln!(
+        out,
+        "\nmemory read bandwidth (same run, {} reps): median {:.1} GB/s (min {:.1}, max {:.1})",
+        a.reps,
+        bw,
+        bandwidth.min(),
+        bandwidth.max()
+    )?;
+    if let Some(e) = efficiency {
+        writeln!(
+            out,
+            "decode efficiency: {:.2} t/s × {:.3} GB/token ÷ {:.1} GB/s = {:.0}% of the bandwidth roofline",
+            tg.median(),
+            bpt as f64 / 1e9,
+            bw,
+            e * 100.0
+        )?;
+    }
+    Ok(())
+}

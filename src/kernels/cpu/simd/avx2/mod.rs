@@ -1,0 +1,228 @@
+//! The AVX2 level (AVX2 + FMA + F16C): one kernel per weight type, each written once as
+//! `rows::<M>` — one weight row against `M` (1..=4) activation rows, the weight blocks unpacked
+//! once per block for all `M` rows — from which [`entries!`] derives the safe `dot` (`M = 1`) and
+//! `tile` (rows in groups of up to four) entry points.
+//!
+//! Invariants: every kernel here is reachable only through [`kernels`], which first checks that the
+//! CPU has AVX2, FMA and F16C, so the `#[target_feature]` code never runs where it cannot; every
+//! entry point checks the byte lengths (as the scalar reference does) before any raw-pointer read,
+//! and `rows` reads only the `nb` weight blocks and, per activation row, its `nb` activation blocks
+//! (all loads unaligned: GGUF bytes are 1-byte aligned). The float operations of row `j` never
+//! depend on `M` or on the other rows, which is what makes `tile` bit-identical to `dot`.
+
+use std::arch::x86_64::*;
+
+use super::Kernels;
+use crate::format::GgmlType;
+
+mod float;
+mod kquants;
+mod legacy;
+
+/// Whether this CPU has everything the AVX2 kernels use (std caches the CPUID probe).
+pub(super) fn detected() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// The AVX2 kernels for `ty`, or `None` if the CPU lacks AVX2/FMA/F16C or no kernel exists.
+pub(super) fn kernels(ty: GgmlType) -> Option<Kernels> {
+    if !detected() {
+        return None;
+    }
+    use GgmlType::*;
+    let (dot, tile, name): (super::DotFn, super::DotTileFn, &'static str) = match ty {
+        Q4K => (kquants::q4k_dot, kquants::q4k_tile, "avx2/q4_K"),
+        Q6K => (kquants::q6k_dot, kquants::q6k_tile, "avx2/q6_K"),
+        Q5K => (kquants::q5k_dot, kquants::q5k_tile, "avx2/q5_K"),
+        Q3K => (kquants::q3k_dot, kquants::q3k_tile, "avx2/q3_K"),
+        Q2K => (kquants::q2k_dot, kquants::q2k_tile, "avx2/q2_K"),
+        Q4_0 => (legacy::q4_0_dot, legacy::q4_0_tile, "avx2/q4_0"),
+        Q4_1 => (legacy::q4_1_dot, legacy::q4_1_tile, "avx2/q4_1"),
+        Q5_0 => (legacy::q5_0_dot, legacy::q5_0_tile, "avx2/q5_0"),
+        Q5_1 => (legacy::q5_1_dot, legacy::q5_1_tile, "avx2/q5_1"),
+        Q8_0 => (legacy::q8_0_dot, legacy::q8_0_tile, "avx2/q8_0"),
+        F16 => (float::f16_dot, float::f16_tile, "avx2/f16"),
+        BF16 => (float::bf16_dot, float::bf16_tile, "avx2/bf16"),
+        _ => return None,
+    };
+    Some(Kernels { dot, tile, name })
+}
+
+/// Number of blocks in a row of `n` elements; panics unless `n` is a whole number of `elems`-element
+/// blocks and `w_len` is exactly that many `w_bytes`-byte blocks.
+fn blocks(n: usize, elems: usize, w_len: usize, w_bytes: usize) -> usize {
+    assert!(
+        n % elems == 0,
+        "n = {n} is not a whole number of {elems}-element blocks"
+    );
+    let nb = n / elems;
+    assert_eq!(w_len, nb * w_bytes, "weight row must be exactly {nb} blocks");
+    nb
+}
+
+/// Defines the safe entry points `$dot` ([`super::DotFn`]) and `$tile` ([`super::DotTileFn`]) of a
+/// kernel `$rows::<M>(nb, w, a, stride, out)`, for `$elems`-element blocks of `$wb` weight bytes
+/// and `$ab` activation bytes; `$max` (1..=4) is the most rows one `rows` call takes.
+macro_rules! entries {
+    ($dot:ident, $tile:ident, $rows:ident, $elems:expr, $wb:expr, $ab:expr, $max:literal) => {
+        pub(super) fn $dot(n: usize, w: &[u8], a: &[u8]) -> f32 {
+            let nb = super::blocks(n, $elems, w.len(), $wb);
+            assert_eq!(
+                a.len(),
+                nb * $ab,
+                "activation row must be exactly {nb} blocks"
+            );
+            let mut out = [0f32; 1];
+            // SAFETY: only `kernels()` hands this function out, after checking AVX2, FMA and F16C;
+            // `w` is exactly `nb` weight blocks and `a` exactly `nb` activation blocks (checked
+            // above), and `rows::<1>` reads only those and writes only `out[0]`.
+            unsafe { $rows::<1>(nb, w.as_ptr(), a.as_ptr(), 0, out.as_mut_ptr()) };
+            out[0]
+        }
+
+        pub(super) fn $tile(
+            n: usize,
+            w: &[u8],
+            acts: &[u8],
+            stride: usize,
+            m: usize,
+            out: &mut [f32],
+        ) {
+            let nb = super::blocks(n, $elems, w.len(), $wb);
+            crate::kernels::cpu::simd::check_tile(nb * $ab, acts.len(), stride, m, out.len());
+            let (w, a, o) = (w.as_ptr(), acts.as_ptr(), out.as_mut_ptr());
+            let mut j = 0;
+            while j < m {
+                let k = (m - j).min($max);
+                // SAFETY: as in the dot entry point for the CPU features; rows j..j+k start inside
+                // `acts` at multiples of `stride` and each has `nb * $ab` bytes there, and `out`
+                // has at least `m` slots (both checked by `check_tile`).
+                unsafe {
+                    let (a, o) = (a.add(j * stride), o.add(j));
+                    match k {
+                        1 => $rows::<1>(nb, w, a, stride, o),
+                        2 => $rows::<2>(nb, w, a, stride, o),
+                        3 => $rows::<3>(nb, w, a, stride, o),
+                        _ => $rows::<$max>(nb, w, a, stride, o),
+                    }
+                }
+                j += k;
+            }
+        }
+    };
+}
+use entries;
+
+// ---- shared helpers: all `#[inline]` + the level's features, so they inline into the kernels ----
+
+/// Unaligned 32-byte load.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn ld(p: *const u8) -> __m256i {
+    _mm256_loadu_si256(p.cast())
+}
+
+/// Unaligned 16-byte load.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn ld128(p: *const u8) -> __m128i {
+    _mm_loadu_si128(p.cast())
+}
+
+/// The little-endian f32 at `p` (unaligned).
+#[inline]
+unsafe fn rd_f32(p: *const u8) -> f32 {
+    p.cast::<f32>().read_unaligned()
+}
+
+/// The little-endian u32 at `p` (unaligned).
+#[inline]
+unsafe fn rd_u32(p: *const u8) -> u32 {
+    p.cast::<u32>().read_unaligned()
+}
+
+/// The f16 at `p` (unaligned) widened to f32 (exact, F16C).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    let h = p.cast::<u16>().read_unaligned();
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+/// ggml's `hsum_float_8`: `((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_float_8(x: __m256) -> f32 {
+    let mut r = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    _mm_cvtss_f32(r)
+}
+
+/// Sums each of up to four 8-lane i32 vectors: lane `r` of the result is the sum of `v[r]` (lanes
+/// past `M` are 0). Exact (wrapping i32, as ggml).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_rows<const M: usize>(v: &[__m256i; M]) -> __m128i {
+    let mut p = [_mm256_setzero_si256(); 4];
+    p[..M].copy_from_slice(v);
+    let h01 = _mm256_hadd_epi32(p[0], p[1]);
+    let h23 = _mm256_hadd_epi32(p[2], p[3]);
+    let h = _mm256_hadd_epi32(h01, h23);
+    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
+}
+
+/// ggml's `bytes_from_nibbles_32`: the 32 nibbles of 16 bytes, low nibbles first, as bytes 0..16.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bytes_from_nibbles_32(p: *const u8) -> __m256i {
+    let t = ld128(p);
+    let b = _mm256_set_m128i(_mm_srli_epi16::<4>(t), t);
+    _mm256_and_si256(b, _mm256_set1_epi8(0xF))
+}
+
+/// ggml's `bytes_from_bits_32`: byte `j` is 0xFF where bit `j` of the little-endian u32 at `p` is
+/// set, else 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
+    let x = rd_u32(p) as i32;
+    let shuf = _mm256_set_epi64x(
+        0x0303_0303_0303_0303,
+        0x0202_0202_0202_0202,
+        0x0101_0101_0101_0101,
+        0,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x), shuf);
+    let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+    _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
+}
+
+/// Sums of four adjacent u8 × i8 products as 8 i32 lanes (lane `l`: bytes `4l..4l+4`), via
+/// `vpmaddubsw` + `vpmaddwd` — ggml's `mul_sum_us8_pairs_float` before its conversion. The i16
+/// pair sums cannot saturate for `u <= 127` or `|s| <= 127`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn mul_sum_us8(u: __m256i, s: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_set1_epi16(1), _mm256_maddubs_epi16(u, s))
+}
+
+/// The 8 scales and 8 mins of a Q4_K/Q5_K block's 12 packed bytes at `p`, as ggml's `utmp`
+/// shuffle leaves them: `(scales as 8 bytes, mins as 8 bytes)`, each a little-endian u64.
+#[inline]
+unsafe fn k4_scales_mins(p: *const u8) -> (u64, u64) {
+    const K1: u32 = 0x3f3f_3f3f;
+    const K2: u32 = 0x0f0f_0f0f;
+    const K3: u32 = 0x0303_0303;
+    let (u0, u1, u2) = (rd_u32(p), rd_u32(p.add(4)), rd_u32(p.add(8)));
+    let u3 = ((u2 >> 4) & K2) | (((u1 >> 6) & K3) << 4);
+    let mins_lo = u1 & K1;
+    let sc_hi = (u2 & K2) | (((u0 >> 6) & K3) << 4);
+    let sc_lo = u0 & K1;
+    (
+        sc_lo as u64 | (sc_hi as u64) << 32,
+        mins_lo as u64 | (u3 as u64) << 32,
+    )
+}

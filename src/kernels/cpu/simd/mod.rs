@@ -1,0 +1,231 @@
+//! SIMD dot-product kernels for quantized weight rows, chosen once per process for this CPU.
+//!
+//! This module owns the run-time choice of instruction set ([`level`]) and hands out, per weight
+//! type, a pair of kernels ([`Kernels`]): `dot` (one weight row · one activation row, the decode
+//! path) and `tile` (one weight row · `m` activation rows, the prefill / verification path, which
+//! unpacks each weight block once for all `m` rows). Both take the same raw, unaligned GGUF bytes as
+//! the scalar reference [`crate::quant::vec_dot`] — weights in their file layout, activations in
+//! [`crate::quant::vec_dot_type`] of the weight type — and that reference is the scalar twin of
+//! every kernel: [`kernels`] returns `None` where only it exists, and [`reference`] wraps it in the
+//! same shape.
+//!
+//! Invariants every kernel keeps (and the tests check):
+//! - Integer parts are exact, as in ggml. The float accumulation follows the ggml-cpu x86 kernel
+//!   llama.cpp itself runs for that type on an AVX2 machine, operation for operation (including
+//!   where ggml fuses a multiply-add): the repacked `gemv` structure for Q4_0 and Q4_K (one exact
+//!   integer sum per block, `acc = fma(isum, d_w * d_a, acc)`), and the AVX2 `ggml_vec_dot_*`
+//!   structure (eight f32 lanes, `hsum_float_8`) for the other types. Results therefore differ
+//!   from the scalar reference (ggml's generic C) only by float rounding: within `1e-5 * Σ|w·a|`.
+//! - `tile` is batch-invariant: `out[j]` is bit-identical to `dot` of the same weight row with
+//!   activation row `j`, whatever `m` and wherever row `j` falls in the tile.
+//! - Activations must come from ggml's quantizers (`quantize_activations`): like ggml's x86 kernels
+//!   (`_mm256_sign_epi8`), the kernels assume no activation byte is -128.
+//! - Nothing here runs an instruction the CPU lacks: a level is used only after run-time detection,
+//!   and `INFER_SIMD` can lower the level but never raise it above what was detected.
+//!
+//! Levels: `avx2` (AVX2 + FMA + F16C, `vpmaddubsw`) on x86-64, else `scalar`. `INFER_SIMD=scalar`
+//! forces the reference; `avx2`, `avx512` and `avx512vnni` ask for at most that level. There are no
+//! AVX-512 kernels yet, so the AVX-512 names currently select AVX2 (they were written and measured
+//! on a machine whose hypervisor hides AVX-512); `level()` always reports what is really used.
+
+use std::sync::OnceLock;
+
+use crate::format::GgmlType;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(test)]
+mod tests;
+
+/// Dot of one weight row (`n` elements of the weight type, exactly its bytes) with one activation
+/// row (exactly `n` elements in the weight type's `vec_dot_type`).
+pub type DotFn = fn(n: usize, w: &[u8], a: &[u8]) -> f32;
+
+/// Dot of ONE weight row with `m` activation rows (a GEMM tile: the weight row's blocks are loaded
+/// once for all m rows, which is what makes prefill and speculative verification compute-bound
+/// instead of memory-bound). `acts` holds m rows of `act_stride` bytes (each row's first
+/// `activation_row_bytes` bytes are used); `out[j] = dot(w, act row j)` for `j < m`.
+pub type DotTileFn =
+    fn(n: usize, w: &[u8], acts: &[u8], act_stride: usize, m: usize, out: &mut [f32]);
+
+/// The kernels for one weight type at one level.
+#[derive(Clone, Copy, Debug)]
+pub struct Kernels {
+    pub dot: DotFn,
+    pub tile: DotTileFn,
+    /// `"<level>/<type>"`, e.g. `"avx2/q4_K"`, for logs and benchmarks.
+    pub name: &'static str,
+}
+
+/// An instruction-set level, lowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    /// The scalar reference (`crate::quant::vec_dot`).
+    Scalar,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+}
+
+impl Level {
+    /// Every level, lowest first.
+    pub const ALL: [Level; 2] = [Level::Scalar, Level::Avx2];
+
+    /// The name `level()` reports and `INFER_SIMD` accepts.
+    pub fn name(self) -> &'static str {
+        match self {
+            Level::Scalar => "scalar",
+            Level::Avx2 => "avx2",
+        }
+    }
+
+    /// Whether this CPU can run the level's kernels.
+    pub fn available(self) -> bool {
+        match self {
+            Level::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx2 => avx2::detected(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Level::Avx2 => false,
+        }
+    }
+}
+
+/// The best level this CPU supports.
+pub fn detect() -> Level {
+    Level::ALL
+        .into_iter()
+        .rev()
+        .find(|l| l.available())
+        .unwrap_or(Level::Scalar)
+}
+
+/// The level `INFER_SIMD` (its value `requested`) selects on a CPU whose best level is `detected`:
+/// the requested ceiling clamped to `detected`. `None`, empty or `auto` mean `detected`; an unknown
+/// value is reported in the error and otherwise treated as `auto`.
+pub fn select_level(requested: Option<&str>, detected: Level) -> (Level, Option<String>) {
+    let ceiling = match requested.map(|s| s.trim().to_ascii_lowercase()) {
+        None => return (detected, None),
+        Some(s) => match s.as_str() {
+            "" | "auto" => return (detected, None),
+            "scalar" | "none" | "off" => Level::Scalar,
+            "avx2" => Level::Avx2,
+            // No AVX-512 kernels exist yet: asking for AVX-512 means "the best up to it".
+            "avx512" | "avx512vnni" | "avx512f" => Level::Avx2,
+            other => {
+                return (
+                    detected,
+                    Some(format!(
+                        "INFER_SIMD={other:?} is not one of auto, scalar, avx2, avx512; using {}",
+                        detected.name()
+                    )),
+                )
+            }
+        },
+    };
+    (ceiling.min(detected), None)
+}
+
+/// The level in use, detected once per process and capped by `INFER_SIMD`.
+pub fn current() -> Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let requested = std::env::var("INFER_SIMD").ok();
+        let (level, warning) = select_level(requested.as_deref(), detect());
+        if let Some(w) = warning {
+            eprintln!("warning: {w}");
+        }
+        level
+    })
+}
+
+/// The name of the level in use: `"avx2"` or `"scalar"` (later `"avx512vnni"`).
+pub fn level() -> &'static str {
+    current().name()
+}
+
+/// The best kernels for `ty` at the level in use ([`current`]), or `None` if only the scalar
+/// reference exists (the caller then uses `crate::quant::vec_dot`, or [`reference`]).
+pub fn kernels(ty: GgmlType) -> Option<Kernels> {
+    kernels_at(current(), ty)
+}
+
+/// The kernels for `ty` at exactly `level`, or `None` if this CPU lacks the level, the level is
+/// `Scalar`, or no kernel for `ty` exists at that level. For tests and benchmarks.
+pub fn kernels_at(level: Level, ty: GgmlType) -> Option<Kernels> {
+    if !level.available() {
+        return None;
+    }
+    match level {
+        Level::Scalar => None,
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => avx2::kernels(ty),
+        #[cfg(not(target_arch = "x86_64"))]
+        Level::Avx2 => None,
+    }
+}
+
+/// The scalar reference `crate::quant::vec_dot` for `ty` in the [`Kernels`] shape (its tile is a
+/// loop of dots), or `None` if the reference has no dot for `ty`.
+pub fn reference(ty: GgmlType) -> Option<Kernels> {
+    use GgmlType::*;
+    macro_rules! table {
+        ($($t:ident => $name:literal),* $(,)?) => {
+            match ty {
+                $($t => Some(Kernels {
+                    dot: ref_dot::<{ $t as u32 }>,
+                    tile: ref_tile::<{ $t as u32 }>,
+                    name: $name,
+                }),)*
+                _ => None,
+            }
+        };
+    }
+    table!(
+        F32 => "scalar/f32", F16 => "scalar/f16", BF16 => "scalar/bf16",
+        Q4_0 => "scalar/q4_0", Q4_1 => "scalar/q4_1", Q5_0 => "scalar/q5_0",
+        Q5_1 => "scalar/q5_1", Q8_0 => "scalar/q8_0", Q2K => "scalar/q2_K",
+        Q3K => "scalar/q3_K", Q4K => "scalar/q4_K", Q5K => "scalar/q5_K",
+        Q6K => "scalar/q6_K",
+    )
+}
+
+fn ref_type(id: u32) -> GgmlType {
+    GgmlType::from_id(id).expect("reference() only instantiates known type ids")
+}
+
+fn ref_dot<const T: u32>(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    crate::quant::vec_dot(ref_type(T), n, w, a)
+}
+
+fn ref_tile<const T: u32>(
+    n: usize,
+    w: &[u8],
+    acts: &[u8],
+    act_stride: usize,
+    m: usize,
+    out: &mut [f32],
+) {
+    let ty = ref_type(T);
+    let row = crate::quant::activation_row_bytes(crate::quant::vec_dot_type(ty), n)
+        .expect("n is a whole number of activation blocks");
+    check_tile(row, acts.len(), act_stride, m, out.len());
+    for (j, o) in out[..m].iter_mut().enumerate() {
+        *o = crate::quant::vec_dot(ty, n, w, &acts[j * act_stride..j * act_stride + row]);
+    }
+}
+
+/// Panics unless `m` activation rows of `row` bytes at `stride` fit in `acts_len` bytes and `out`
+/// has room for `m` results. Shared by every tile kernel.
+fn check_tile(row: usize, acts_len: usize, stride: usize, m: usize, out_len: usize) {
+    assert!(out_len >= m, "tile output has {out_len} slots for {m} rows");
+    if m > 0 {
+        assert!(
+            stride >= row,
+            "activation stride {stride} is shorter than a row ({row} bytes)"
+        );
+        assert!(
+            acts_len >= (m - 1) * stride + row,
+            "{m} activation rows of {row} bytes at stride {stride} need more than {acts_len} bytes"
+        );
+    }
+}
