@@ -3,8 +3,9 @@
 //! Truth comes from outside this crate: `tests/fixtures/tokenizer/tokenize.tsv` and `*.ids` are
 //! copies of shared/refs (llama.cpp binaries run on the models); `corpus.json` +
 //! `corpus_ids.tsv` + `vocab_facts.tsv` were produced by llama.cpp b11739's `llama_tokenize`,
-//! `llama_token_to_piece` and `llama_vocab_is_eog` (see `gen_llamacpp_corpus.py`): 297 strings of
-//! tricky text, licences, source code and random Unicode/whitespace soup, in three modes each;
+//! `llama_token_to_piece` and `llama_vocab_is_eog` (see `gen_llamacpp_corpus.py`): 452 strings of
+//! tricky text, licences, source code and random Unicode/whitespace soup, in three modes each, also
+//! under the llama-bpe, gpt-2 and default pre-tokenizers;
 //! `hf-tiny-qwen2/` holds a tiny Qwen2-style tokenizer.json with ids computed by `transformers`.
 //! Missing model files fail the tests, naming `scripts/fetch-models.sh`.
 
@@ -46,19 +47,19 @@ fn model_path(file: &str) -> PathBuf {
     p
 }
 
-/// Opens the model and builds its tokenizer, returning the two durations.
-fn load(file: &str) -> (Tokenizer, f64, f64) {
+/// Opens the model and builds its tokenizer, returning the durations (seconds) of opening the
+/// file, reading the `tokenizer.*` keys and building the tables.
+fn load(file: &str) -> (Tokenizer, [f64; 3]) {
     let path = model_path(file);
     let t0 = Instant::now();
     let g = Gguf::open(&path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
     let t1 = Instant::now();
-    let tok = Tokenizer::from_gguf(&g).unwrap_or_else(|e| panic!("tokenizer of {file}: {e:#}"));
+    let spec = TokenizerSpec::from_gguf(&g).unwrap_or_else(|e| panic!("metadata of {file}: {e:#}"));
     let t2 = Instant::now();
-    (
-        tok,
-        (t1 - t0).as_secs_f64(),
-        (t2 - t1).as_secs_f64(),
-    )
+    let tok = Tokenizer::from_spec(spec).unwrap_or_else(|e| panic!("tokenizer of {file}: {e:#}"));
+    let t3 = Instant::now();
+    let secs = |a: Instant, b: Instant| (b - a).as_secs_f64();
+    (tok, [secs(t0, t1), secs(t1, t2), secs(t2, t3)])
 }
 
 fn tokenizer(name: &str) -> &'static Tokenizer {
@@ -72,7 +73,7 @@ fn tokenizer(name: &str) -> &'static Tokenizer {
 }
 
 fn parse_ids(s: &str) -> Vec<u32> {
-    s.split(|c: char| c == ' ' || c == ',')
+    s.split([' ', ','])
         .filter(|x| !x.is_empty())
         .map(|x| x.parse().unwrap_or_else(|e| panic!("bad id {x:?}: {e}")))
         .collect()
@@ -111,7 +112,10 @@ fn shared_refs_tokenize_tsv_every_probe_every_mode() {
         };
         let text = probes[cols[1]];
         let t = tokenizer(model);
-        for (col, mode) in cols[2..].iter().zip(["default", "no_bos", "no_parse_special"]) {
+        for (col, mode) in cols[2..]
+            .iter()
+            .zip(["default", "no_bos", "no_parse_special"])
+        {
             let ids = col
                 .rsplit_once('=')
                 .map(|(_, v)| v.trim_matches(|c| c == '[' || c == ']'))
@@ -204,14 +208,17 @@ fn corpus() -> &'static Corpus {
     })
 }
 
-fn check_corpus(model: &str) {
+/// Compares every corpus case in `modes` with llama.cpp's ids recorded under `label`.
+fn check_corpus(label: &str, t: &Tokenizer, modes: &[&str]) {
     let c = corpus();
-    let t = tokenizer(model);
     let mut failures = Vec::new();
     let mut checked = 0;
     for (i, text) in c.texts.iter().enumerate() {
-        for mode in ["no_bos", "default", "no_parse_special"] {
-            let want = &c.ids[&(model.to_string(), i, mode.to_string())];
+        for &mode in modes {
+            let want = c
+                .ids
+                .get(&(label.to_string(), i, mode.to_string()))
+                .unwrap_or_else(|| panic!("no ids for {label} case {i} {mode}"));
             let got = encode_mode(t, text, mode);
             checked += 1;
             if &got != want {
@@ -223,26 +230,58 @@ fn check_corpus(model: &str) {
     }
     assert!(
         failures.is_empty(),
-        "{model}: {} of {checked} differ from llama.cpp:\n{}",
+        "{label}: {} of {checked} differ from llama.cpp:\n{}",
         failures.len(),
         failures[..failures.len().min(10)].join("\n")
     );
-    assert_eq!(checked, 3 * c.texts.len());
-    assert!(c.texts.len() >= 297 || std::env::var_os("INFER_TOKENIZER_CORPUS").is_some());
+    assert_eq!(checked, modes.len() * c.texts.len());
+    assert!(c.texts.len() >= 452 || std::env::var_os("INFER_TOKENIZER_CORPUS").is_some());
 }
+
+const ALL_MODES: &[&str] = &["no_bos", "default", "no_parse_special"];
 
 #[test]
 fn llamacpp_corpus_qwen_all_modes() {
-    check_corpus(QWEN);
+    check_corpus(QWEN, tokenizer(QWEN), ALL_MODES);
 }
 
 #[test]
 fn llamacpp_corpus_gemma_all_modes() {
-    check_corpus(GEMMA);
+    check_corpus(GEMMA, tokenizer(GEMMA), ALL_MODES);
 }
 
-/// (eog ids, piece digest, sampled pieces) of one model in vocab_facts.tsv.
-fn vocab_facts(model: &str) -> (Vec<u32>, (usize, String), Vec<(u32, Vec<u8>)>) {
+/// The llama-bpe (Llama 3), gpt-2 and default pre-tokenizers, on the Qwen vocabulary: the GGUF's
+/// metadata with `tokenizer.ggml.pre` replaced and `add_bos_token` removed, exactly as the
+/// vocab-only files llama.cpp tokenized for the fixture.
+#[test]
+fn llamacpp_corpus_qwen_vocab_under_other_pre_tokenizers() {
+    let path = model_path(QWEN_FILE);
+    let g = Gguf::open(&path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
+    let spec = TokenizerSpec::from_gguf(&g).unwrap();
+    for (pre, add_bos) in [("llama-bpe", true), ("gpt-2", false), ("default", false)] {
+        let mut s = spec.clone();
+        s.pre = Some(pre.to_string());
+        s.add_bos = None;
+        let t = Tokenizer::from_spec(s).unwrap();
+        assert_eq!(
+            t.add_bos_default(),
+            add_bos,
+            "{pre}: llama.cpp's add_bos default"
+        );
+        check_corpus(&format!("{QWEN}+{pre}"), &t, &["no_bos", "default"]);
+    }
+}
+
+/// What vocab_facts.tsv records of one model.
+struct VocabFacts {
+    eog: Vec<u32>,
+    /// (vocabulary size, FNV-1a-64 of every token's piece)
+    digest: (usize, String),
+    /// (id, piece bytes) of a sample of tokens
+    pieces: Vec<(u32, Vec<u8>)>,
+}
+
+fn vocab_facts(model: &str) -> VocabFacts {
     let tsv = read_fixture("vocab_facts.tsv");
     let (mut eog, mut digest, mut pieces) = (None, None, Vec::new());
     for line in tsv.lines().filter(|l| l.starts_with(&format!("{model}\t"))) {
@@ -261,7 +300,11 @@ fn vocab_facts(model: &str) -> (Vec<u32>, (usize, String), Vec<(u32, Vec<u8>)>) 
             other => panic!("unknown fact {other}"),
         }
     }
-    (eog.expect("eog"), digest.expect("digest"), pieces)
+    VocabFacts {
+        eog: eog.expect("eog"),
+        digest: digest.expect("digest"),
+        pieces,
+    }
 }
 
 /// FNV-1a 64 over (id LE u32, len LE u32, bytes) of every token, as the generator computes it.
@@ -279,15 +322,28 @@ fn piece_digest(t: &Tokenizer) -> String {
 
 fn check_vocab_facts(model: &str) {
     let t = tokenizer(model);
-    let (eog, (n, digest), pieces) = vocab_facts(model);
+    let VocabFacts {
+        eog,
+        digest: (n, digest),
+        pieces,
+    } = vocab_facts(model);
     assert_eq!(t.vocab_size(), n);
     let ours: Vec<u32> = (0..n as u32).filter(|&i| t.is_eog(i)).collect();
     assert_eq!(ours, eog, "{model}: EOG set");
     assert!(pieces.len() > 600);
     for (id, want) in &pieces {
-        assert_eq!(&t.token_bytes(*id), want, "{model}: piece of {id} ({:?})", t.token_text(*id));
+        assert_eq!(
+            &t.token_bytes(*id),
+            want,
+            "{model}: piece of {id} ({:?})",
+            t.token_text(*id)
+        );
     }
-    assert_eq!(piece_digest(t), digest, "{model}: token_to_piece over the whole vocabulary");
+    assert_eq!(
+        piece_digest(t),
+        digest,
+        "{model}: token_to_piece over the whole vocabulary"
+    );
 }
 
 #[test]
@@ -350,7 +406,11 @@ fn round_trip_decode_encode_both_models() {
         let t = tokenizer(model);
         let mut failures = Vec::new();
         let mut checked = 0;
-        for text in STRESS.iter().copied().chain(c.texts.iter().map(String::as_str)) {
+        for text in STRESS
+            .iter()
+            .copied()
+            .chain(c.texts.iter().map(String::as_str))
+        {
             let ids = t.encode(text, false, false).unwrap();
             assert!(ids.iter().all(|&i| (i as usize) < t.vocab_size()));
             // SentencePiece escapes spaces as U+2581, so a literal U+2581 in the text comes back
@@ -369,7 +429,10 @@ fn round_trip_decode_encode_both_models() {
         assert!(failures.is_empty(), "{model}: {}", failures.join("\n"));
     }
     let g = tokenizer(GEMMA);
-    assert_eq!(g.decode(&g.encode("a\u{2581}b", false, false).unwrap()), "a b");
+    assert_eq!(
+        g.decode(&g.encode("a\u{2581}b", false, false).unwrap()),
+        "a b"
+    );
 }
 
 #[test]
@@ -381,10 +444,7 @@ fn hand_verified_sequences() {
         [16, 17, 18, 19, 20, 21, 22, 23]
     );
     // Special-token text becomes the control token only when parsed.
-    assert_eq!(
-        q.encode("<|im_end|>", false, true).unwrap(),
-        [151645]
-    );
+    assert_eq!(q.encode("<|im_end|>", false, true).unwrap(), [151645]);
     assert_eq!(
         q.encode("<|im_end|>", false, false).unwrap(),
         [27, 91, 318, 6213, 91, 29]
@@ -400,7 +460,10 @@ fn hand_verified_sequences() {
         [139, 108, 138, 255969, 26537]
     );
     // A char missing from the vocabulary falls back to its UTF-8 bytes: U+00A0 = C2 A0.
-    assert_eq!(g.encode("\u{a0}", false, false).unwrap(), [238 + 0xC2, 238 + 0xA0]);
+    assert_eq!(
+        g.encode("\u{a0}", false, false).unwrap(),
+        [238 + 0xC2, 238 + 0xA0]
+    );
     assert!(g.is_eog(1) && g.is_eog(106) && g.is_eog(212) && !g.is_eog(2));
 }
 
@@ -448,7 +511,11 @@ fn hf_tiny_qwen2_probes_match_transformers() {
     for a in added {
         let id = a["id"].as_u64().unwrap() as usize;
         tokens[id] = a["content"].as_str().unwrap().to_string();
-        types[id] = if a["special"].as_bool().unwrap() { 3 } else { 4 };
+        types[id] = if a["special"].as_bool().unwrap() {
+            3
+        } else {
+            4
+        };
     }
     let merges = tj["model"]["merges"]
         .as_array()
@@ -456,7 +523,9 @@ fn hf_tiny_qwen2_probes_match_transformers() {
         .iter()
         .map(|m| match m {
             serde_json::Value::String(s) => s.clone(),
-            serde_json::Value::Array(p) => format!("{} {}", p[0].as_str().unwrap(), p[1].as_str().unwrap()),
+            serde_json::Value::Array(p) => {
+                format!("{} {}", p[0].as_str().unwrap(), p[1].as_str().unwrap())
+            }
             _ => panic!("merge {m}"),
         })
         .collect();
@@ -482,7 +551,10 @@ fn hf_tiny_qwen2_probes_match_transformers() {
             .map(|v| v.as_u64().unwrap() as u32)
             .collect();
         assert_eq!(t.encode(text, false, true).unwrap(), want, "{text:?}");
-        assert_eq!(t.decode(&want), text.replace("<|im_start|>", "").replace("<|im_end|>", ""));
+        assert_eq!(
+            t.decode(&want),
+            text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+        );
     }
 }
 
@@ -491,7 +563,15 @@ fn load_time_and_encode_throughput() {
     let c = corpus();
     let text: String = c.texts.concat();
     for (file, name) in [(QWEN_FILE, QWEN), (GEMMA_FILE, GEMMA)] {
-        let (t, open_s, build_s) = load(file);
+        // Best of three: the machine is shared, the minimum is the tokenizer's own cost.
+        let (t, mut best) = load(file);
+        for _ in 0..2 {
+            let (_, times) = load(file);
+            for (b, x) in best.iter_mut().zip(times) {
+                *b = b.min(x);
+            }
+        }
+        let [open_s, read_s, build_s] = best;
         let start = Instant::now();
         let mut n_tokens = 0;
         let reps = 5;
@@ -500,13 +580,19 @@ fn load_time_and_encode_throughput() {
         }
         let secs = start.elapsed().as_secs_f64();
         eprintln!(
-            "{name}: GGUF open {:.0} ms, tokenizer build {:.0} ms; encode {:.2} MB/s ({:.0} tokens/s)",
+            "{name}: GGUF open {:.0} ms, tokenizer keys {:.0} ms, tokenizer build {:.0} ms; \
+             encode {:.2} MB/s ({:.0} tokens/s)",
             open_s * 1e3,
+            read_s * 1e3,
             build_s * 1e3,
             (text.len() * reps) as f64 / secs / 1e6,
             n_tokens as f64 / secs
         );
-        // Generous bound (debug builds, loaded CI machines); the measured figures are printed.
-        assert!(build_s < 10.0, "{name}: tokenizer build took {build_s:.1} s");
+        // Generous bound (loaded CI machines); the measured figures are printed above.
+        assert!(
+            read_s + build_s < 10.0,
+            "{name}: tokenizer load took {:.1} s",
+            read_s + build_s
+        );
     }
 }

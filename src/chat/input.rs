@@ -36,6 +36,20 @@ pub enum Setting {
     TopP(f32),
     MinP(f32),
     Seed(u64),
+    MaxTokens(usize),
+}
+
+impl std::fmt::Display for Setting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Setting::Temp(v) => write!(f, "temp = {v}"),
+            Setting::TopK(v) => write!(f, "top-k = {v}"),
+            Setting::TopP(v) => write!(f, "top-p = {v}"),
+            Setting::MinP(v) => write!(f, "min-p = {v}"),
+            Setting::Seed(v) => write!(f, "seed = {v}"),
+            Setting::MaxTokens(v) => write!(f, "max-tokens = {v}"),
+        }
+    }
 }
 
 /// A REPL command.
@@ -60,7 +74,7 @@ Commands:
   /help                  this text
   /clear                 forget the conversation (keeps the system prompt)
   /system TEXT           set the system prompt (no TEXT: remove it) and start over
-  /set temp|top-k|top-p|min-p|seed VALUE
+  /set temp|top-k|top-p|min-p|seed|max-tokens VALUE
                          change sampling
   /stats                 tokens computed and reused per turn, speed, context used
   /save FILE             write the conversation as JSON
@@ -70,7 +84,7 @@ Commands:
 fn parse_set(rest: &str) -> Result<Setting, String> {
     let mut it = rest.split_whitespace();
     let (Some(key), Some(value), None) = (it.next(), it.next(), it.next()) else {
-        return Err("usage: /set temp|top-k|top-p|min-p|seed VALUE".into());
+        return Err("usage: /set temp|top-k|top-p|min-p|seed|max-tokens VALUE".into());
     };
     let bad = |what: &str| format!("/set {key}: {what}, got {value:?}");
     let unit = |v: &str| -> Result<f32, String> {
@@ -93,9 +107,12 @@ fn parse_set(rest: &str) -> Result<Setting, String> {
         "top-p" | "top_p" => Setting::TopP(unit(value)?),
         "min-p" | "min_p" => Setting::MinP(unit(value)?),
         "seed" => Setting::Seed(value.parse().map_err(|_| bad("expected a whole number"))?),
+        "max-tokens" | "max_tokens" | "n" => {
+            Setting::MaxTokens(value.parse().map_err(|_| bad("expected a whole number"))?)
+        }
         _ => {
             return Err(format!(
-                "/set: unknown setting {key:?} (temp, top-k, top-p, min-p, seed)"
+                "/set: unknown setting {key:?} (temp, top-k, top-p, min-p, seed, max-tokens)"
             ))
         }
     })

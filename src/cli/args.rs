@@ -25,12 +25,36 @@ pub enum Command {
     Chat(ChatArgs),
     /// Measure prompt processing and generation speed, and memory bandwidth
     Bench(BenchArgs),
+    /// List the known models (aliases for --model) and whether each is downloaded
+    Models,
+    /// Convert a Hugging Face checkpoint to GGUF, or re-quantize a GGUF file
+    Quantize(QuantizeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct QuantizeArgs {
+    /// Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json)
+    #[arg(long, value_name = "DIR", conflicts_with = "input", required_unless_present = "input")]
+    pub from_hf: Option<PathBuf>,
+    /// GGUF file to re-quantize
+    #[arg(long = "in", value_name = "FILE")]
+    pub input: Option<PathBuf>,
+    /// Output GGUF file (written atomically)
+    #[arg(short, long, value_name = "FILE")]
+    pub out: PathBuf,
+    /// Target type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k
+    /// (every eligible tensor), or the llama.cpp mixes q3_k_m, q4_k_m, q5_k_m
+    #[arg(long = "type", value_name = "TYPE")]
+    pub ty: String,
+    /// Threads (default: the number of physical cores)
+    #[arg(short = 't', long)]
+    pub threads: Option<usize>,
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// GGUF model file
-    #[arg(short, long, value_name = "FILE")]
+    /// GGUF model file, or a known alias (see `infer models`)
+    #[arg(short, long, value_name = "FILE|ALIAS")]
     pub model: PathBuf,
     /// Threads for computation (default: the number of physical cores)
     #[arg(short = 't', long)]

@@ -7,7 +7,6 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 
-use crate::cli::UsageError;
 use infer::engine::runner::Runner;
 use infer::format::Gguf;
 use infer::kernels::cpu::backend::CpuBackend;
@@ -15,14 +14,9 @@ use infer::kernels::cpu::pool::physical_cores;
 use infer::model::{Model, ModelConfig, Weights};
 use infer::tokenizer::Tokenizer;
 
-pub fn open_gguf(path: &Path) -> Result<Arc<Gguf>> {
-    if !path.exists() {
-        return Err(UsageError(format!(
-            "model file {} does not exist (scripts/fetch-models.sh fetches the known models into models/)",
-            path.display()
-        ))
-        .into());
-    }
+/// Opens `--model` (a path or a known alias, see `infer models`).
+pub fn open_gguf(arg: &Path) -> Result<Arc<Gguf>> {
+    let path = &crate::cli::models::resolve(arg)?;
     let g = Gguf::open(path).with_context(|| format!("reading {}", path.display()))?;
     Ok(Arc::new(g))
 }
@@ -41,6 +35,7 @@ pub struct Loaded {
 
 pub fn load(path: &Path, threads: Option<usize>, ctx: Option<usize>) -> Result<Loaded> {
     let t0 = Instant::now();
+    let path = &crate::cli::models::resolve(path)?;
     let g = open_gguf(path)?;
     let tokenizer = open_tokenizer(&g, path)?;
     let cfg = ModelConfig::from_gguf(&g).with_context(|| format!("reading {}", path.display()))?;

@@ -5,6 +5,8 @@ mod args;
 mod bench;
 mod chat;
 mod load;
+mod models;
+mod quantize;
 mod run;
 mod tokenize;
 
@@ -48,6 +50,8 @@ pub fn main() -> ExitCode {
         Command::Tokenize(a) => tokenize::tokenize(a),
         Command::Chat(a) => chat::chat(a),
         Command::Bench(a) => bench::bench(a),
+        Command::Models => models::list(),
+        Command::Quantize(a) => quantize::quantize(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

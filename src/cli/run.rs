@@ -52,6 +52,8 @@ pub fn run(a: RunArgs) -> Result<()> {
     };
     let loaded = load(&a.model.model, a.model.threads, a.ctx)?;
     let (tok, mut runner) = (loaded.tokenizer, loaded.runner);
+    // --chat: the fallback chat format needs stop strings
+    let mut chat_stops: Vec<String> = Vec::new();
     let prompt: Vec<u32> = match (&a.prompt_ids, &prompt_text) {
         (Some(ids), _) => {
             if let Some(bad) = ids.iter().find(|&&id| id as usize >= runner.vocab_size()) {
@@ -62,6 +64,17 @@ pub fn run(a: RunArgs) -> Result<()> {
                 .into());
             }
             ids.clone()
+        }
+        (None, Some(text)) if a.chat => {
+            let (ids, stops) = crate::cli::chat::single_turn_prompt(
+                &loaded.gguf,
+                &tok,
+                a.system.as_deref(),
+                text,
+                !a.no_bos,
+            )?;
+            chat_stops = stops;
+            ids
         }
         (None, Some(text)) => tok.encode(text, tok.add_bos_default() && !a.no_bos, true)?,
         (None, None) => unreachable!("one of prompt or ids is set above"),
@@ -88,7 +101,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             seed: a.seed.unwrap_or_else(seed_from_clock),
             ..SamplerConfig::default()
         },
-        stop: a.stop.clone(),
+        stop: [a.stop.clone(), chat_stops].concat(),
     };
     let tty = std::io::stdout().is_terminal();
     eprintln!(

@@ -13,7 +13,7 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
-use super::hash::{map_with_capacity, FxHashMap};
+use super::hash::{map_with_capacity, FxHashMap, Vocab};
 use super::pretok::PreTokenizer;
 
 /// No id: a byte-level char that is neither a token nor named by any merge.
@@ -64,18 +64,17 @@ pub(crate) struct Bpe {
 }
 
 impl Bpe {
-    /// Builds the merge table from `merges` (`"left right"` strings, rank = index) over a
-    /// vocabulary whose text→id map is `lookup`.
+    /// Builds the merge table from `merges` (`"left right"` strings, rank = index) over `vocab`.
     pub(crate) fn new(
         merges: &[String],
-        lookup: &FxHashMap<String, u32>,
-        n_vocab: u32,
+        vocab: &Vocab,
         pre: PreTokenizer,
         ignore_merges: bool,
     ) -> Bpe {
+        let n_vocab = vocab.len() as u32;
         let mut extra: FxHashMap<String, u32> = map_with_capacity(0);
         let intern = |s: &str, extra: &mut FxHashMap<String, u32>| -> u32 {
-            if let Some(&id) = lookup.get(s) {
+            if let Some(id) = vocab.get(s) {
                 return id;
             }
             if let Some(&id) = extra.get(s) {
@@ -109,13 +108,12 @@ impl Bpe {
         let mut buf = [0u8; 4];
         for b in 0..256 {
             let s: &str = byte_chars[b].encode_utf8(&mut buf);
-            byte_sym[b] = lookup
+            byte_sym[b] = vocab
                 .get(s)
-                .copied()
                 .or_else(|| extra.get(s).copied())
                 .unwrap_or(NONE);
             if byte_chars[b].is_ascii() {
-                byte_fallback[b] = lookup.get(s).copied().unwrap_or(NONE);
+                byte_fallback[b] = vocab.get(s).unwrap_or(NONE);
             }
         }
         Bpe {
@@ -130,18 +128,16 @@ impl Bpe {
     }
 
     /// Appends the tokens of one pre-tokenized word (raw bytes, before byte-level encoding).
-    pub(crate) fn encode_word(
-        &self,
-        word: &[u8],
-        lookup: &FxHashMap<String, u32>,
-        out: &mut Vec<u32>,
-    ) {
+    pub(crate) fn encode_word(&self, word: &[u8], vocab: &Vocab, out: &mut Vec<u32>) {
         if word.is_empty() {
             return;
         }
         if self.ignore_merges {
-            let encoded: String = word.iter().map(|&b| self.byte_chars[usize::from(b)]).collect();
-            if let Some(&id) = lookup.get(&encoded) {
+            let encoded: String = word
+                .iter()
+                .map(|&b| self.byte_chars[usize::from(b)])
+                .collect();
+            if let Some(id) = vocab.get(&encoded) {
                 out.push(id);
                 return;
             }
@@ -272,12 +268,8 @@ mod tests {
         }
     }
 
-    fn vocab(tokens: &[&str]) -> FxHashMap<String, u32> {
-        let mut m = map_with_capacity(tokens.len());
-        for (i, t) in tokens.iter().enumerate() {
-            m.insert(t.to_string(), i as u32);
-        }
-        m
+    fn vocab(tokens: &[&str]) -> Vocab {
+        Vocab::new(tokens.iter().map(|t| t.to_string()).collect()).unwrap()
     }
 
     #[test]
@@ -286,7 +278,7 @@ mod tests {
         let toks = ["a", "b", "c", "ab", "bc", "abc"];
         let lookup = vocab(&toks);
         let merges = ["b c", "a b", "a bc"].map(String::from);
-        let bpe = Bpe::new(&merges, &lookup, 6, PreTokenizer::Gpt2, false);
+        let bpe = Bpe::new(&merges, &lookup, PreTokenizer::Gpt2, false);
         let mut out = Vec::new();
         bpe.encode_word(b"abc", &lookup, &mut out);
         assert_eq!(out, [5]);
@@ -301,7 +293,7 @@ mod tests {
         let toks = ["x", "y", "z"];
         let lookup = vocab(&toks);
         let merges = ["x y".to_string()];
-        let bpe = Bpe::new(&merges, &lookup, 3, PreTokenizer::Gpt2, false);
+        let bpe = Bpe::new(&merges, &lookup, PreTokenizer::Gpt2, false);
         let mut out = Vec::new();
         bpe.encode_word(b"xyz", &lookup, &mut out);
         assert_eq!(out, [0, 1, 2]);

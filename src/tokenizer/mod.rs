@@ -4,17 +4,19 @@
 //! text-based detection of end-of-generation and fill-in-the-middle tokens), encoding
 //! (special-token partition → pre-tokenizer → BPE / SentencePiece merges), and decoding ids to
 //! bytes as `llama_token_to_piece(special = false)` does. Two vocabulary kinds are supported:
-//! `gpt2` (byte-level BPE with a merge list, see [`bpe`]) and `llama` (SentencePiece-style,
-//! merging by score, see [`spm`]). [`StreamDecoder`] turns token bytes into text incrementally.
+//! `gpt2` (byte-level BPE with a merge list, module `bpe`, split into words by one of llama.cpp's
+//! pre-tokenizers, module `pretok`) and `llama` (SentencePiece-style, merging by score, module
+//! `spm`). [`StreamDecoder`] turns token bytes into text incrementally.
 //!
 //! Invariants: every id `encode` returns is `< vocab_size()`; encoding is deterministic and
 //! thread-safe (`Tokenizer` is immutable after loading); `decode(encode(s, false, false)) == s`
-//! for any `s` the vocabulary can represent (byte-level BPE and byte-fallback SPM represent every
-//! string). Loading fails with an error naming the missing or invalid `tokenizer.*` key.
+//! for every `s` with a byte-level BPE vocabulary, and with a byte-fallback SentencePiece one when
+//! `add_space_prefix` is off and `s` has no literal `▁` (which, as in llama.cpp, reads as a
+//! space). Loading fails with an error naming the missing or invalid `tokenizer.*` key.
 
 mod bpe;
 mod hash;
-pub mod pretok;
+mod pretok;
 mod special;
 mod spm;
 mod stream;
@@ -23,7 +25,7 @@ mod unicode_classes;
 use anyhow::{anyhow, bail, Result};
 
 use crate::format::{Gguf, Value};
-use hash::{map_with_capacity, FxHashMap};
+use hash::Vocab;
 pub use pretok::PreTokenizer;
 use special::{Fragment, SpecialMatcher, SpecialToken};
 pub use stream::StreamDecoder;
@@ -110,10 +112,9 @@ struct Specials {
 #[derive(Debug)]
 pub struct Tokenizer {
     kind: Kind,
-    tokens: Vec<String>,
+    vocab: Vocab,
     scores: Vec<f32>,
     attrs: Vec<u16>,
-    lookup: FxHashMap<String, u32>,
     specials: Specials,
     add_bos: bool,
     add_eos: bool,
@@ -274,19 +275,22 @@ impl TokenizerSpec {
                     .to_string(),
             ),
         };
-        let tokens = string_array(g, "tokens")?.ok_or_else(|| anyhow!("{}: missing", key("tokens")))?;
+        let tokens =
+            string_array(g, "tokens")?.ok_or_else(|| anyhow!("{}: missing", key("tokens")))?;
         let scores = match g.get(&key("scores")) {
             None => None,
             Some(v) => {
                 let k = key("scores");
-                let arr = v.as_array().ok_or_else(|| anyhow!("{k}: expected an array"))?;
+                let arr = v
+                    .as_array()
+                    .ok_or_else(|| anyhow!("{k}: expected an array"))?;
                 Some(
                     arr.iter()
                         .enumerate()
                         .map(|(i, v)| match v {
-                            Value::F32(_) | Value::I32(_) => {
-                                v.as_f32().ok_or_else(|| anyhow!("{k}[{i}]: expected a number"))
-                            }
+                            Value::F32(_) | Value::I32(_) => v
+                                .as_f32()
+                                .ok_or_else(|| anyhow!("{k}[{i}]: expected a number")),
                             _ => Err(anyhow!("{k}[{i}]: expected f32 or i32")),
                         })
                         .collect::<Result<Vec<_>>>()?,
@@ -297,7 +301,9 @@ impl TokenizerSpec {
             None => None,
             Some(v) => {
                 let k = key("token_type");
-                let arr = v.as_array().ok_or_else(|| anyhow!("{k}: expected an array"))?;
+                let arr = v
+                    .as_array()
+                    .ok_or_else(|| anyhow!("{k}: expected an array"))?;
                 Some(
                     arr.iter()
                         .enumerate()
@@ -349,7 +355,7 @@ impl Tokenizer {
         let TokenizerSpec {
             model,
             pre,
-            mut tokens,
+            tokens,
             scores,
             token_types,
             merges,
@@ -389,7 +395,8 @@ impl Tokenizer {
                         key("pre")
                     )
                 })?;
-                let llama3_group = p == PreTokenizer::Llama3 && !matches!(name, "dbrx" | "smaug-bpe");
+                let llama3_group =
+                    p == PreTokenizer::Llama3 && !matches!(name, "dbrx" | "smaug-bpe");
                 (Model::Bpe(p, llama3_group), llama3_group, false, false)
             }
             other => bail!(
@@ -401,27 +408,23 @@ impl Tokenizer {
             add_space_prefix = v;
         }
 
+        let mut tokens = tokens;
         for (i, t) in tokens.iter_mut().enumerate() {
             if t.is_empty() {
                 *t = format!("[EMPTY_{i}]");
             }
         }
-        let mut lookup: FxHashMap<String, u32> = map_with_capacity(n);
-        for (i, t) in tokens.iter().enumerate() {
-            if let Some(prev) = lookup.insert(t.clone(), i as u32) {
-                bail!(
-                    "{}: duplicate token '{t}' has ids {prev} and {i}",
-                    key("tokens")
-                );
-            }
-        }
+        let vocab = Vocab::new(tokens).map_err(|(a, b)| {
+            anyhow!(
+                "{}: token ids {a} and {b} have the same text",
+                key("tokens")
+            )
+        })?;
+        let lookup = |t: &str| vocab.get(t);
+        let tokens = vocab.tokens();
 
         let scores = match scores {
-            Some(s) if s.len() < n => bail!(
-                "{}: {} scores for {n} tokens",
-                key("scores"),
-                s.len()
-            ),
+            Some(s) if s.len() < n => bail!("{}: {} scores for {n} tokens", key("scores"), s.len()),
             // No NaN or -0.0, so that ordering by `total_cmp` equals llama.cpp's `<`.
             Some(mut s) => {
                 s.truncate(n);
@@ -512,22 +515,25 @@ impl Tokenizer {
             }
             // llama.cpp takes the first hit of a hash-map walk (e.g. `<|im_end|>` over
             // `<|endoftext|>` for Qwen); the first text of the list is the stable equivalent.
-            if let Some(id) = texts.iter().find_map(|t| lookup.get(*t).copied()) {
+            if let Some(id) = texts.iter().find_map(|t| lookup(*t)) {
                 *slot = Some(id);
                 attrs[id as usize] |= attr::CONTROL;
             }
         }
 
         // End-of-generation set.
-        let mut eog: Vec<u32> = [sp.fim_pad, sp.fim_rep, sp.fim_sep].into_iter().flatten().collect();
+        let mut eog: Vec<u32> = [sp.fim_pad, sp.fim_rep, sp.fim_sep]
+            .into_iter()
+            .flatten()
+            .collect();
         for t in EOG_TEXTS {
-            if let Some(&id) = lookup.get(*t) {
+            if let Some(id) = lookup(*t) {
                 eog.push(id);
                 attrs[id as usize] |= attr::CONTROL;
             }
         }
         for t in ["<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"] {
-            if let Some(&id) = lookup.get(t) {
+            if let Some(id) = lookup(t) {
                 attrs[id as usize] = attr::USER_DEFINED;
             }
         }
@@ -564,11 +570,11 @@ impl Tokenizer {
             for &id in &special_ids_sorted {
                 attrs[id as usize] |= attr::RSTRIP;
             }
-            if let Some(&id) = lookup.get("</s>") {
+            if let Some(id) = lookup("</s>") {
                 attrs[id as usize] |= attr::RSTRIP;
             }
             for t in ["<unk>", "<s>", "<|endoftext|>"] {
-                if let Some(&id) = lookup.get(t) {
+                if let Some(id) = lookup(t) {
                     attrs[id as usize] &= !attr::RSTRIP;
                 }
             }
@@ -595,11 +601,11 @@ impl Tokenizer {
             Model::Spm => {
                 let mut byte_tokens = Box::new([None; 256]);
                 for (b, slot) in byte_tokens.iter_mut().enumerate() {
-                    *slot = lookup.get(&format!("<0x{b:02X}>")).copied().or_else(|| {
+                    *slot = lookup(&format!("<0x{b:02X}>")).or_else(|| {
                         u8::try_from(b)
                             .ok()
                             .filter(u8::is_ascii)
-                            .and_then(|b| lookup.get(&char::from(b).to_string()).copied())
+                            .and_then(|b| lookup(&char::from(b).to_string()))
                     });
                 }
                 Kind::Spm {
@@ -610,7 +616,7 @@ impl Tokenizer {
             Model::Bpe(pre, ignore_merges) => {
                 let merges = merges.ok_or_else(|| anyhow!("{}: missing", key("merges")))?;
                 Kind::Bpe {
-                    bpe: Box::new(bpe::Bpe::new(&merges, &lookup, n_u32, pre, ignore_merges)),
+                    bpe: Box::new(bpe::Bpe::new(&merges, &vocab, pre, ignore_merges)),
                     char_to_byte: bpe::char_to_byte_table(),
                 }
             }
@@ -618,10 +624,9 @@ impl Tokenizer {
 
         Ok(Tokenizer {
             kind,
-            tokens,
             scores,
             attrs,
-            lookup,
+            vocab,
             specials: sp,
             add_bos,
             add_eos,
@@ -632,7 +637,10 @@ impl Tokenizer {
 
     /// Encodes `text`. `add_bos` prepends the BOS token (an error if the model has none);
     /// `parse_special` lets control tokens written in the text (e.g. `<|im_start|>`) become those
-    /// tokens, as llama.cpp's `parse_special`. User-defined tokens are always matched.
+    /// tokens, as llama.cpp's `parse_special`. User-defined tokens are always matched. EOS is never
+    /// appended (llama.cpp appends it only for models with `add_eos_token`, see
+    /// [`add_eos_default`](Self::add_eos_default)); `encode(s, add_bos_default(), true)` equals
+    /// llama.cpp's `llama_tokenize(s, add_special = true, parse_special = true)` for such models.
     pub fn encode(&self, text: &str, add_bos: bool, parse_special: bool) -> Result<Vec<u32>> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_bos {
@@ -649,7 +657,7 @@ impl Tokenizer {
                 add_space_prefix,
             } => {
                 let vocab = spm::SpmVocab {
-                    lookup: &self.lookup,
+                    vocab: &self.vocab,
                     scores: &self.scores,
                     byte_tokens,
                     unk: self.specials.unk,
@@ -682,7 +690,7 @@ impl Tokenizer {
                         Fragment::Text(a, b) => {
                             let frag = &text[a..b];
                             for (s, e) in bpe.pre.split(frag) {
-                                bpe.encode_word(&frag.as_bytes()[s..e], &self.lookup, &mut out);
+                                bpe.encode_word(&frag.as_bytes()[s..e], &self.vocab, &mut out);
                             }
                         }
                         Fragment::Token(id) => out.push(id),
@@ -729,17 +737,23 @@ impl Tokenizer {
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.tokens.len()
+        self.vocab.len()
     }
 
     /// The raw vocabulary string of `id` (`""` for an id outside the vocabulary).
     pub fn token_text(&self, id: u32) -> &str {
-        self.tokens.get(id as usize).map_or("", String::as_str)
+        self.vocab
+            .tokens()
+            .get(id as usize)
+            .map_or("", String::as_str)
     }
 
     /// The llama.cpp attributes of `id` (see [`attr`]); `UNDEFINED` outside the vocabulary.
     pub fn token_attr(&self, id: u32) -> u16 {
-        self.attrs.get(id as usize).copied().unwrap_or(attr::UNDEFINED)
+        self.attrs
+            .get(id as usize)
+            .copied()
+            .unwrap_or(attr::UNDEFINED)
     }
 
     /// The bytes `id` contributes to output text, as llama.cpp's `token_to_piece` with
@@ -753,7 +767,7 @@ impl Tokenizer {
     }
 
     fn append_token_bytes(&self, id: u32, out: &mut Vec<u8>) {
-        let Some(text) = self.tokens.get(id as usize) else {
+        let Some(text) = self.vocab.tokens().get(id as usize) else {
             return;
         };
         let a = self.attrs[id as usize];
@@ -851,17 +865,30 @@ mod tests {
         let mut s = spec("gpt2", &["a"], &[1]);
         s.pre = Some("nonesuch".into());
         let e = Tokenizer::from_spec(s).unwrap_err().to_string();
-        assert!(e.contains("tokenizer.ggml.pre") && e.contains("nonesuch"), "{e}");
+        assert!(
+            e.contains("tokenizer.ggml.pre") && e.contains("nonesuch"),
+            "{e}"
+        );
         let s = spec("gpt2", &["a"], &[1]);
         let e = Tokenizer::from_spec(s).unwrap_err().to_string();
         assert!(e.contains("tokenizer.ggml.merges"), "{e}");
         let s = spec("bert", &["a"], &[1]);
         let e = Tokenizer::from_spec(s).unwrap_err().to_string();
-        assert!(e.contains("tokenizer.ggml.model") && e.contains("bert"), "{e}");
+        assert!(
+            e.contains("tokenizer.ggml.model") && e.contains("bert"),
+            "{e}"
+        );
         let mut s = spec("llama", &["a", "b"], &[1, 1]);
         s.scores = Some(vec![0.0]);
         let e = Tokenizer::from_spec(s).unwrap_err().to_string();
         assert!(e.contains("tokenizer.ggml.scores"), "{e}");
+    }
+
+    #[test]
+    fn tokenizer_and_stream_decoder_can_be_shared_across_threads() {
+        fn shareable<T: Send + Sync>() {}
+        shareable::<Tokenizer>();
+        shareable::<StreamDecoder>();
     }
 
     #[test]

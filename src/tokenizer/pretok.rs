@@ -33,10 +33,10 @@ impl PreTokenizer {
     pub fn from_name(name: &str) -> Option<PreTokenizer> {
         Some(match name {
             "default" => PreTokenizer::Default,
-            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
-            | "lfm2" | "jina-v5-nano" | "dbrx" | "smaug-bpe" => PreTokenizer::Llama3,
-            "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "stablelm2" | "hunyuan"
-            | "solar-open" => PreTokenizer::Qwen2,
+            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral"
+            | "midm-2.0" | "lfm2" | "jina-v5-nano" | "dbrx" | "smaug-bpe" => PreTokenizer::Llama3,
+            "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "stablelm2"
+            | "hunyuan" | "solar-open" => PreTokenizer::Qwen2,
             "gpt-2" | "gpt2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v2-es"
             | "jina-v2-de" | "a.x-4.0" | "mellum" | "modern-bert" | "exaone4" | "mpt" | "olmo"
             | "jais" | "trillion" | "granite-docling" => PreTokenizer::Gpt2,
@@ -110,8 +110,17 @@ fn ascii_flags(b: u8) -> u8 {
         b'A'..=b'Z' | b'a'..=b'z' => f |= LETTER,
         b'0'..=b'9' => f |= NUMBER,
         b'\t'..=b'\r' | b' ' => f |= WHITESPACE,
-        b'!'..=b'#' | b'%'..=b'*' | b','..=b'/' | b':' | b';' | b'?' | b'@' | b'['..=b']' | b'_'
-        | b'{' | b'}' => f |= PUNCT | DEFAULT_PUNCT,
+        b'!'..=b'#'
+        | b'%'..=b'*'
+        | b','..=b'/'
+        | b':'
+        | b';'
+        | b'?'
+        | b'@'
+        | b'['..=b']'
+        | b'_'
+        | b'{'
+        | b'}' => f |= PUNCT | DEFAULT_PUNCT,
         b'$' | b'+' | b'<' | b'=' | b'>' | b'^' | b'~' | b'|' => f |= DEFAULT_PUNCT,
         _ => {}
     }
@@ -198,8 +207,15 @@ impl Pieces<'_> {
 fn split_gpt2(cpts: &Cpts, ranges: &[(usize, usize)]) -> Vec<(usize, usize)> {
     let mut out = Vec::with_capacity(ranges.len());
     for &(ini, end) in ranges {
-        let w = Window { cpts: &cpts.cpts, ini, end };
-        let mut p = Pieces { out: &mut out, prev_end: ini };
+        let w = Window {
+            cpts: &cpts.cpts,
+            ini,
+            end,
+        };
+        let mut p = Pieces {
+            out: &mut out,
+            prev_end: ini,
+        };
         let mut pos = ini;
         while pos < end {
             let cpt = w.cpt(pos);
@@ -284,8 +300,15 @@ fn split_llama3(cpts: &Cpts, ranges: &[(usize, usize)], max_digits: usize) -> Ve
     let lower = |c: Option<char>| c.map(|c| c.to_ascii_lowercase());
     let mut out = Vec::with_capacity(ranges.len());
     for &(ini, end) in ranges {
-        let w = Window { cpts: &cpts.cpts, ini, end };
-        let mut p = Pieces { out: &mut out, prev_end: ini };
+        let w = Window {
+            cpts: &cpts.cpts,
+            ini,
+            end,
+        };
+        let mut p = Pieces {
+            out: &mut out,
+            prev_end: ini,
+        };
         let mut pos = ini;
         while pos < end {
             let cpt = w.cpt(pos);
@@ -501,7 +524,10 @@ mod tests {
         assert!('\u{16D43}'.is_alphabetic());
         assert_eq!(table_flags('\u{16D43}'), DEFINED);
         for ch in (0u8..128).map(char::from) {
-            assert_eq!(ascii_flags(ch as u8) & !DEFAULT_PUNCT, table_flags(ch) & !DEFAULT_PUNCT);
+            assert_eq!(
+                ascii_flags(ch as u8) & !DEFAULT_PUNCT,
+                table_flags(ch) & !DEFAULT_PUNCT
+            );
         }
     }
 

@@ -12,11 +12,11 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
-use super::hash::FxHashMap;
+use super::hash::Vocab;
 
 /// What the SPM merge loop needs from the vocabulary.
 pub(crate) struct SpmVocab<'a> {
-    pub lookup: &'a FxHashMap<String, u32>,
+    pub vocab: &'a Vocab,
     pub scores: &'a [f32],
     /// Token of each byte (`<0xXX>`, else the one-char token), if any.
     pub byte_tokens: &'a [Option<u32>; 256],
@@ -105,8 +105,8 @@ pub(crate) fn encode(vocab: &SpmVocab<'_>, text: &str, out: &mut Vec<u32>) {
     while let Some(k) = i {
         let s = syms[k];
         let piece = &text[s.start..s.start + s.len];
-        match vocab.lookup.get(piece) {
-            Some(&id) => out.push(id),
+        match vocab.vocab.get(piece) {
+            Some(id) => out.push(id),
             None => {
                 for &b in piece.as_bytes() {
                     if let Some(t) = vocab.byte_tokens[usize::from(b)].or(vocab.unk) {
@@ -129,7 +129,7 @@ fn push_pair(
 ) {
     let start = syms[l].start;
     let size = syms[l].len + syms[r].len;
-    if let Some(&id) = vocab.lookup.get(&text[start..start + size]) {
+    if let Some(id) = vocab.vocab.get(&text[start..start + size]) {
         queue.push(Pair {
             score: vocab.scores.get(id as usize).copied().unwrap_or(0.0),
             left: l,
@@ -141,22 +141,18 @@ fn push_pair(
 
 #[cfg(test)]
 mod tests {
-    use super::super::hash::map_with_capacity;
     use super::*;
 
     #[test]
     fn highest_score_merges_first_and_unknown_chars_become_bytes() {
         let toks = ["a", "b", "c", "ab", "bc", "<0xC3>", "<0xA9>"];
         let scores = [0.0, 0.0, 0.0, -1.0, -0.5, 0.0, 0.0];
-        let mut lookup = map_with_capacity(8);
-        for (i, t) in toks.iter().enumerate() {
-            lookup.insert(t.to_string(), i as u32);
-        }
+        let lookup = Vocab::new(toks.iter().map(|t| t.to_string()).collect()).unwrap();
         let mut byte_tokens = [None; 256];
         byte_tokens[0xC3] = Some(5);
         byte_tokens[0xA9] = Some(6);
         let v = SpmVocab {
-            lookup: &lookup,
+            vocab: &lookup,
             scores: &scores,
             byte_tokens: &byte_tokens,
             unk: None,

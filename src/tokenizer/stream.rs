@@ -88,7 +88,10 @@ mod tests {
 
     #[test]
     fn output_equals_lossy_decoding_of_everything() {
-        let bytes: Vec<u8> = "né 日本 🦀\u{301}".bytes().chain([0xC3, b'z', 0xF0, 0x9F]).collect();
+        let bytes: Vec<u8> = "né 日本 🦀\u{301}"
+            .bytes()
+            .chain([0xC3, b'z', 0xF0, 0x9F])
+            .collect();
         for split in 1..6 {
             let mut d = StreamDecoder::new();
             let mut s: String = bytes.chunks(split).map(|c| d.push(c)).collect();

@@ -7,3 +7,4 @@ pub mod matmul;
 pub mod membw;
 pub mod ops;
 pub mod pool;
+pub mod simd;

@@ -58,7 +58,11 @@ fn blocks(n: usize, elems: usize, w_len: usize, w_bytes: usize) -> usize {
         "n = {n} is not a whole number of {elems}-element blocks"
     );
     let nb = n / elems;
-    assert_eq!(w_len, nb * w_bytes, "weight row must be exactly {nb} blocks");
+    assert_eq!(
+        w_len,
+        nb * w_bytes,
+        "weight row must be exactly {nb} blocks"
+    );
     nb
 }
 
@@ -166,11 +170,16 @@ fn hsum_float_8(x: __m256) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn hsum_rows<const M: usize>(v: &[__m256i; M]) -> __m128i {
-    let mut p = [_mm256_setzero_si256(); 4];
-    p[..M].copy_from_slice(v);
-    let h01 = _mm256_hadd_epi32(p[0], p[1]);
-    let h23 = _mm256_hadd_epi32(p[2], p[3]);
-    let h = _mm256_hadd_epi32(h01, h23);
+    let z = _mm256_setzero_si256();
+    let h = match M {
+        1 => _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], z), z),
+        2 => _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), z),
+        _ => {
+            let mut p = [z; 4];
+            p[..M].copy_from_slice(v);
+            _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]))
+        }
+    };
     _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
 }
 

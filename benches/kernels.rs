@@ -1,0 +1,230 @@
+//! Single-thread throughput of the SIMD dot-product kernels (`kernels::cpu::simd`) against the
+//! scalar reference (plain `main`, `harness = false`).
+//!
+//! For each weight type it builds a `rows × cols` matrix (default 1536 × 1536, Qwen2.5-1.5B's
+//! attention shape) from random floats and multiplies it, one weight row at a time, with
+//! activation rows quantized to the type's `vec_dot_type`:
+//! - `dot`: every weight row against one activation row — the decode path;
+//! - `tile mN`: every weight row against N activation rows in one `tile` call — prefill.
+//!
+//! Figures: time per matrix pass, GB/s of weight bytes read (each pass reads the matrix once) and
+//! GOP/s (2 · rows · cols · N). A 1536² Q4_K matrix (1.3 MB) stays in cache, so the `dot` line is
+//! the kernel's compute ceiling; the `dot cold` line streams a 256 MiB set of matrices, which is what
+//! decoding a real model does (memory-bound). Each figure is the best of several timed repetitions.
+//!
+//! Run: `cargo bench --bench kernels [-- TYPE...]` (types by ggml name, e.g. `q4_K q6_K`; default:
+//! all types with a kernel). `INFER_SIMD` does not apply: every available level is measured.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use infer::format::GgmlType;
+use infer::kernels::cpu::simd::{kernels_at, reference, Kernels, Level};
+use infer::quant::{activation_row_bytes, quantize_activations, quantize_row, vec_dot_type};
+
+const ROWS: usize = 1536;
+const COLS: usize = 1536;
+const TILES: [usize; 5] = [1, 2, 4, 8, 16];
+const COLD_BYTES: usize = 256 << 20;
+
+/// Types benchmarked by default, in the order real models need them.
+const TYPES: [GgmlType; 12] = [
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+    GgmlType::Q5_0,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q5K,
+    GgmlType::Q4_1,
+    GgmlType::Q5_1,
+    GgmlType::Q2K,
+    GgmlType::Q3K,
+];
+
+/// xorshift64* floats in [-1, 1), with a per-32 magnitude so blocks have realistic scales.
+fn floats(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed | 1;
+    let mut next = move || {
+        s ^= s >> 12;
+        s ^= s << 25;
+        s ^= s >> 27;
+        (s.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    };
+    let mut v = Vec::with_capacity(n);
+    while v.len() < n {
+        let scale = 10f32.powf(next());
+        for _ in 0..32.min(n - v.len()) {
+            v.push(scale * next());
+        }
+    }
+    v
+}
+
+/// A quantized matrix and 16 quantized activation rows.
+struct Data {
+    w: Vec<u8>,
+    row_bytes: usize,
+    acts: Vec<u8>,
+    act_bytes: usize,
+}
+
+impl Data {
+    fn new(ty: GgmlType, rows: usize, seed: u64) -> Data {
+        let mut w = Vec::new();
+        let mut tmp = Vec::new();
+        for r in 0..rows {
+            quantize_row(ty, &floats(seed + r as u64, COLS), &mut tmp).unwrap();
+            w.extend_from_slice(&tmp);
+        }
+        let row_bytes = w.len() / rows;
+        let act_bytes = activation_row_bytes(vec_dot_type(ty), COLS).unwrap();
+        let mut acts = Vec::new();
+        for j in 0..16 {
+            quantize_activations(ty, &floats(1000 + j, COLS), &mut tmp).unwrap();
+            acts.extend_from_slice(&tmp);
+        }
+        Data {
+            w,
+            row_bytes,
+            acts,
+            act_bytes,
+        }
+    }
+
+    fn rows(&self) -> usize {
+        self.w.len() / self.row_bytes
+    }
+}
+
+/// Best time of `f` over repetitions filling about `budget`.
+fn best(budget: Duration, mut f: impl FnMut()) -> Duration {
+    f();
+    let mut best = Duration::MAX;
+    let start = Instant::now();
+    let mut reps = 0;
+    while reps < 3 || (start.elapsed() < budget && reps < 1000) {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed());
+        reps += 1;
+    }
+    best
+}
+
+fn report(label: &str, d: &Data, t: Duration, m: usize, base: Option<Duration>) {
+    let s = t.as_secs_f64();
+    let gbs = d.w.len() as f64 / s / 1e9;
+    let gops = 2.0 * (d.rows() * COLS * m) as f64 / s / 1e9;
+    let speedup = base.map_or(String::new(), |b| {
+        format!("  {:6.1}x scalar", b.as_secs_f64() / s)
+    });
+    println!(
+        "  {label:<20} {:9.1} us/pass  {gbs:7.2} GB/s  {gops:7.2} GOP/s{speedup}",
+        s * 1e6
+    );
+}
+
+/// Times one pass of `k.dot` over every row of `d` against activation row 0.
+fn time_dot(k: &Kernels, d: &Data, budget: Duration) -> Duration {
+    let a = &d.acts[..d.act_bytes];
+    best(budget, || {
+        for wr in d.w.chunks_exact(d.row_bytes) {
+            black_box((k.dot)(COLS, black_box(wr), a));
+        }
+    })
+}
+
+/// Times one pass of `k.tile` over every row of `d` against `m` activation rows.
+fn time_tile(k: &Kernels, d: &Data, m: usize, budget: Duration) -> Duration {
+    let mut out = vec![0f32; m];
+    best(budget, || {
+        for wr in d.w.chunks_exact(d.row_bytes) {
+            (k.tile)(COLS, black_box(wr), &d.acts, d.act_bytes, m, &mut out);
+            black_box(&out);
+        }
+    })
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let types: Vec<GgmlType> = if args.is_empty() {
+        TYPES.to_vec()
+    } else {
+        args.iter()
+            .map(|a| GgmlType::from_name(a).unwrap_or_else(|| panic!("unknown type {a}")))
+            .collect()
+    };
+    let levels: Vec<Level> = Level::ALL
+        .into_iter()
+        .filter(|&l| l != Level::Scalar && l.available())
+        .collect();
+    println!(
+        "simd kernels, single thread, {ROWS}x{COLS} weights; levels: {}",
+        levels
+            .iter()
+            .map(|l| l.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let budget = Duration::from_millis(300);
+    // The decode roofline: one thread streaming a buffer far larger than the caches.
+    let buf: Vec<u64> = (0..(COLD_BYTES / 8) as u64).collect();
+    let t = best(budget * 3, || {
+        let mut acc = [0u64; 8];
+        for line in buf.chunks_exact(8) {
+            for (a, &v) in acc.iter_mut().zip(line) {
+                *a = a.wrapping_add(v);
+            }
+        }
+        black_box(acc);
+    });
+    println!(
+        "memory read, one thread: {:.2} GB/s",
+        COLD_BYTES as f64 / t.as_secs_f64() / 1e9
+    );
+    drop(buf);
+    for ty in types {
+        let d = Data::new(ty, ROWS, 1);
+        let scalar = reference(ty).expect("type has a scalar dot");
+        println!(
+            "{} ({:.2} MB of weights, {} B/row):",
+            ty.name(),
+            d.w.len() as f64 / 1e6,
+            d.row_bytes
+        );
+        let sdot = time_dot(&scalar, &d, budget);
+        report("scalar dot", &d, sdot, 1, None);
+        let stile = time_tile(&scalar, &d, 16, budget);
+        report("scalar tile m16", &d, stile, 16, None);
+        for &level in &levels {
+            let Some(k) = kernels_at(level, ty) else {
+                continue;
+            };
+            let t = time_dot(&k, &d, budget);
+            report(&format!("{} dot", level.name()), &d, t, 1, Some(sdot));
+            for m in TILES {
+                let t = time_tile(&k, &d, m, budget);
+                let base = Duration::from_secs_f64(sdot.as_secs_f64() * m as f64);
+                report(&format!("{} tile m{m}", level.name()), &d, t, m, Some(base));
+            }
+            // Decode from memory: a set of matrices far larger than the caches, each row once.
+            // (Copies of the same matrix: the contents do not matter, only that no cache holds
+            // them when they are read again.)
+            let count = (COLD_BYTES / d.w.len()).max(1);
+            let cold = d.w.repeat(count);
+            let a = &d.acts[..d.act_bytes];
+            let t = best(budget * 3, || {
+                for wr in cold.chunks_exact(d.row_bytes) {
+                    black_box((k.dot)(COLS, black_box(wr), a));
+                }
+            });
+            let per = Duration::from_secs_f64(t.as_secs_f64() / count as f64);
+            report(&format!("{} dot cold", level.name()), &d, per, 1, None);
+        }
+    }
+}

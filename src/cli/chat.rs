@@ -1,0 +1,527 @@
+//! `infer chat`: an interactive conversation with a model, and the chat-prompt helper behind
+//! `infer run --chat`.
+//!
+//! Each turn renders the whole conversation with the model's chat template (or
+//! [`infer::chat::fallback_render`]) and tokenizes it with special-token parsing; the sequence keeps
+//! the KV of everything said so far, so a turn computes only its new tokens. Where the new prompt
+//! text extends the text the cached tokens spell (the usual case), only the new text is tokenized
+//! and appended to those exact tokens, as llama.cpp does; otherwise the whole prompt is tokenized
+//! and the longest common token prefix is reused.
+//!
+//! Invariants: `seq.tokens` spells `seq_text` whenever `seq_text` is non-empty; a failed turn
+//! (template error, context too small, engine error) leaves the conversation as it was before the
+//! user's message and returns to the prompt; answers go to stdout, diagnostics to stderr.
+//! Ctrl-C during an answer raises a flag checked per token (the partial answer is kept); at the
+//! prompt it clears the line; Ctrl-D or `/exit` leaves.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use rustyline::error::ReadlineError;
+use rustyline::history::DefaultHistory;
+use rustyline::validate::{ValidationContext, ValidationResult, Validator};
+use rustyline::{Completer, Editor, Helper, Highlighter, Hinter};
+
+use crate::cli::args::ChatArgs;
+use crate::cli::load::load;
+use crate::cli::UsageError;
+use infer::chat::input::{self, Command, Setting, HELP};
+use infer::chat::{fallback_render, ChatTemplate, Conversation, Message, FALLBACK_STOPS};
+use infer::engine::generate::{generate, GenParams, StopReason};
+use infer::engine::runner::{Runner, Sequence};
+use infer::engine::sampler::SamplerConfig;
+use infer::format::Gguf;
+use infer::kernels::cpu::backend::CpuBackend;
+use infer::tokenizer::Tokenizer;
+
+/// The template to use: `--chat-template FILE`, else the model's; `None` (after saying so on
+/// stderr) when neither exists.
+pub fn resolve_template(
+    g: &Gguf,
+    tok: &Tokenizer,
+    file: Option<&Path>,
+) -> Result<Option<ChatTemplate>> {
+    if let Some(path) = file {
+        let source = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the chat template {}", path.display()))?;
+        let text = |id: Option<u32>| {
+            id.map(|i| tok.token_text(i).to_string())
+                .unwrap_or_default()
+        };
+        let t = ChatTemplate::new(&source, &text(tok.bos_id()), &text(tok.eos_id()))
+            .with_context(|| format!("in {}", path.display()))?;
+        return Ok(Some(t));
+    }
+    let t = ChatTemplate::from_gguf(g, tok).context("in the model's tokenizer.chat_template")?;
+    if t.is_none() {
+        eprintln!(
+            "infer: the model has no chat template; using the plain \"User: ...\\nAssistant:\" format \
+             (--chat-template FILE gives one)"
+        );
+    }
+    Ok(t)
+}
+
+/// Renders `messages` with the template, or the fallback format without one.
+fn render(
+    template: Option<&ChatTemplate>,
+    messages: &[Message],
+    gen_prompt: bool,
+) -> Result<String> {
+    match template {
+        Some(t) => t.render(messages, gen_prompt),
+        None => Ok(fallback_render(messages, gen_prompt)),
+    }
+}
+
+/// Whether to add BOS to a rendered prompt: when the model asks for it and the template did not
+/// already write the BOS text.
+fn wants_bos(tok: &Tokenizer, template: Option<&ChatTemplate>, text: &str, allow: bool) -> bool {
+    let printed = template
+        .and_then(ChatTemplate::bos_token)
+        .is_some_and(|b| text.starts_with(b));
+    allow && tok.add_bos_default() && !printed
+}
+
+/// `infer run --chat`: the tokens of `user` (with `system`) as one chat turn awaiting the answer,
+/// and the stop strings the format needs (those of the fallback format when there is no template).
+pub fn single_turn_prompt(
+    g: &Gguf,
+    tok: &Tokenizer,
+    system: Option<&str>,
+    user: &str,
+    allow_bos: bool,
+) -> Result<(Vec<u32>, Vec<String>)> {
+    let template = resolve_template(g, tok, None)?;
+    let mut conv = Conversation::new(system);
+    conv.push("user", user);
+    let text = render(template.as_ref(), &conv.messages, true)?;
+    let bos = wants_bos(tok, template.as_ref(), &text, allow_bos);
+    let stops = match template {
+        Some(_) => Vec::new(),
+        None => FALLBACK_STOPS.iter().map(|s| s.to_string()).collect(),
+    };
+    Ok((tok.encode(&text, bos, true)?, stops))
+}
+
+/// Multi-line rules of [`infer::chat::input`] for rustyline.
+#[derive(Completer, Helper, Highlighter, Hinter)]
+struct InputHelper;
+
+impl Validator for InputHelper {
+    fn validate(&self, ctx: &mut ValidationContext) -> rustyline::Result<ValidationResult> {
+        Ok(if input::is_complete(ctx.input()) {
+            ValidationResult::Valid(None)
+        } else {
+            ValidationResult::Incomplete
+        })
+    }
+}
+
+/// What one turn (or a `/load` prefill) cost.
+struct TurnStats {
+    label: String,
+    computed: usize,
+    reused: usize,
+    generated: usize,
+    prompt_secs: f64,
+    gen_secs: f64,
+    stop: Option<StopReason>,
+}
+
+struct Session {
+    runner: Runner<CpuBackend>,
+    tok: Tokenizer,
+    template: Option<ChatTemplate>,
+    conv: Conversation,
+    seq: Sequence,
+    /// The text `seq.tokens` spells; empty when unknown.
+    seq_text: String,
+    params: GenParams,
+    turns: Vec<TurnStats>,
+    cancel: Arc<AtomicBool>,
+}
+
+fn rate(n: usize, secs: f64) -> f64 {
+    if secs > 0.0 {
+        n as f64 / secs
+    } else {
+        0.0
+    }
+}
+
+impl Session {
+    fn render(&self, gen_prompt: bool) -> Result<String> {
+        render(self.template.as_ref(), &self.conv.messages, gen_prompt)
+    }
+
+    /// Tokens of a rendered prompt, extending the cached tokens when the text extends theirs.
+    fn tokens_for(&self, text: &str) -> Result<Vec<u32>> {
+        if !self.seq_text.is_empty() && !self.seq.tokens.is_empty() {
+            if let Some(rest) = text.strip_prefix(self.seq_text.as_str()) {
+                let mut ids = self.seq.tokens.clone();
+                ids.extend(self.tok.encode(rest, false, true)?);
+                return Ok(ids);
+            }
+        }
+        let bos = wants_bos(&self.tok, self.template.as_ref(), text, true);
+        Ok(self.tok.encode(text, bos, true)?)
+    }
+
+    /// Room kept for an answer when fitting a prompt into the context.
+    fn answer_room(&self) -> usize {
+        self.params.max_tokens.min(self.runner.n_ctx() / 2)
+    }
+
+    /// Renders the conversation and drops its oldest turns until the prompt and an answer fit.
+    /// `Err` when even the newest message alone does not fit.
+    fn fit(&mut self, gen_prompt: bool) -> Result<(String, Vec<u32>)> {
+        let n_ctx = self.runner.n_ctx();
+        loop {
+            let text = self.render(gen_prompt)?;
+            let tokens = self.tokens_for(&text)?;
+            if tokens.len() + self.answer_room() <= n_ctx {
+                return Ok((text, tokens));
+            }
+            let dropped = self.conv.drop_oldest_turn();
+            if dropped == 0 {
+                if tokens.len() < n_ctx {
+                    return Ok((text, tokens)); // the answer gets what room is left
+                }
+                anyhow::bail!(
+                    "the conversation needs {} tokens but the context holds {n_ctx} (start infer chat with a larger --ctx)",
+                    tokens.len()
+                );
+            }
+            eprintln!(
+                "infer: context full ({} + {} answer tokens > {n_ctx}): dropped the oldest {dropped} messages",
+                tokens.len(),
+                self.answer_room()
+            );
+        }
+    }
+
+    /// One user message and the streamed answer.
+    fn turn(&mut self, user: String) -> Result<()> {
+        let before = self.conv.clone();
+        self.conv.push("user", &user);
+        let (text, tokens) = match self.fit(true) {
+            Ok(p) => p,
+            Err(e) => {
+                self.conv = before;
+                return Err(e);
+            }
+        };
+        self.cancel.store(false, Ordering::SeqCst);
+        let mut answer = String::new();
+        let stdout = std::io::stdout();
+        let mut out = stdout.lock();
+        let result = generate(
+            &mut self.runner,
+            &mut self.seq,
+            &self.tok,
+            &tokens,
+            &self.params,
+            &self.cancel,
+            |_, piece| {
+                answer.push_str(piece);
+                out.write_all(piece.as_bytes())?;
+                out.flush()?;
+                Ok(())
+            },
+        );
+        writeln!(out)?;
+        out.flush()?;
+        let stats = match result {
+            Ok(s) => s,
+            Err(e) => {
+                // the KV state is unknown: start the cache over next turn
+                self.runner.release(&mut self.seq);
+                self.seq_text.clear();
+                self.conv = before;
+                return Err(e);
+            }
+        };
+        match stats.stop {
+            StopReason::Interrupted => eprintln!("infer: [interrupted]"),
+            StopReason::Length => eprintln!(
+                "infer: [answer cut at {} tokens; /set max-tokens N changes that]",
+                stats.generated_tokens
+            ),
+            StopReason::ContextFull => eprintln!("infer: [the context is full]"),
+            _ => {}
+        }
+        if stats.stop == StopReason::Interrupted && stats.generated_tokens == 0 {
+            eprintln!("infer: nothing was generated; the message was withdrawn");
+            self.conv = before;
+            self.seq_text.clear();
+        } else {
+            self.conv.push("assistant", &answer);
+            // A stop string is withheld from the text but not from the tokens.
+            if stats.stop == StopReason::StopString {
+                self.seq_text.clear();
+            } else {
+                self.seq_text = text + &answer;
+            }
+        }
+        self.turns.push(TurnStats {
+            label: format!(
+                "turn {}",
+                self.turns.iter().filter(|t| t.stop.is_some()).count() + 1
+            ),
+            computed: stats.prompt_tokens,
+            reused: stats.reused_tokens,
+            generated: stats.generated_tokens,
+            prompt_secs: stats.prompt_secs,
+            gen_secs: stats.gen_secs,
+            stop: Some(stats.stop),
+        });
+        Ok(())
+    }
+
+    /// Computes the KV of the whole conversation (after `/load`).
+    fn prefill(&mut self) -> Result<()> {
+        self.seq_text.clear();
+        if self.conv.messages.is_empty() {
+            self.runner.release(&mut self.seq);
+            return Ok(());
+        }
+        let (text, tokens) = self.fit(false)?;
+        let t0 = Instant::now();
+        let reused = self.runner.reuse_prefix(&mut self.seq, &tokens);
+        if let Err(e) = self.runner.compute(&mut self.seq) {
+            self.runner.release(&mut self.seq);
+            return Err(e);
+        }
+        self.seq_text = text;
+        self.turns.push(TurnStats {
+            label: "prefill".into(),
+            computed: tokens.len() - reused,
+            reused,
+            generated: 0,
+            prompt_secs: t0.elapsed().as_secs_f64(),
+            gen_secs: 0.0,
+            stop: None,
+        });
+        Ok(())
+    }
+
+    fn stats(&self) -> String {
+        let mut s = String::new();
+        let n_turns = self.turns.iter().filter(|t| t.stop.is_some()).count();
+        s.push_str(&format!("turns: {n_turns}\n"));
+        for t in &self.turns {
+            s.push_str(&format!(
+                "{}: prompt {} computed, {} reused ({:.1} tokens/s)",
+                t.label,
+                t.computed,
+                t.reused,
+                rate(t.computed, t.prompt_secs)
+            ));
+            if let Some(stop) = t.stop {
+                s.push_str(&format!(
+                    "; generated {} ({:.1} tokens/s, {})",
+                    t.generated,
+                    rate(t.generated.saturating_sub(1), t.gen_secs),
+                    stop.as_str()
+                ));
+            }
+            s.push('\n');
+        }
+        let sum = |f: fn(&TurnStats) -> usize| self.turns.iter().map(f).sum::<usize>();
+        s.push_str(&format!(
+            "total: {} prompt tokens computed, {} reused, {} generated\n",
+            sum(|t| t.computed),
+            sum(|t| t.reused),
+            sum(|t| t.generated)
+        ));
+        s.push_str(&format!(
+            "context: {} / {} tokens",
+            self.seq.tokens.len(),
+            self.runner.n_ctx()
+        ));
+        s
+    }
+
+    /// Handles a command; `Ok(false)` means leave.
+    fn command(&mut self, cmd: Command) -> Result<bool> {
+        match cmd {
+            Command::Help => println!("{HELP}"),
+            Command::Exit => return Ok(false),
+            Command::Clear => {
+                self.conv.clear();
+                self.seq_text.clear();
+                eprintln!("infer: conversation cleared");
+            }
+            Command::System(text) => {
+                let text = text.trim();
+                self.conv.set_system((!text.is_empty()).then_some(text));
+                self.conv.clear();
+                self.seq_text.clear();
+                if text.is_empty() {
+                    eprintln!("infer: system prompt removed; conversation cleared");
+                } else {
+                    eprintln!("infer: system prompt set; conversation cleared");
+                }
+            }
+            Command::Set(s) => {
+                let c = &mut self.params.sampler;
+                match s {
+                    Setting::Temp(v) => c.temperature = v,
+                    Setting::TopK(v) => c.top_k = v,
+                    Setting::TopP(v) => c.top_p = v,
+                    Setting::MinP(v) => c.min_p = v,
+                    Setting::Seed(v) => c.seed = v,
+                    Setting::MaxTokens(v) => self.params.max_tokens = v,
+                }
+                eprintln!("infer: {s}");
+            }
+            Command::Stats => println!("{}", self.stats()),
+            Command::Save(path) => {
+                std::fs::write(&path, self.conv.to_json())
+                    .with_context(|| format!("writing {}", path.display()))?;
+                eprintln!(
+                    "infer: saved {} messages to {}",
+                    self.conv.messages.len(),
+                    path.display()
+                );
+            }
+            Command::Load(path) => {
+                let text = std::fs::read_to_string(&path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let conv = Conversation::from_json(&text)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let before = std::mem::replace(&mut self.conv, conv);
+                if let Err(e) = self.prefill() {
+                    self.conv = before;
+                    self.seq_text.clear();
+                    return Err(e);
+                }
+                for m in &self.conv.messages {
+                    println!("{}: {}", m.role, m.content);
+                }
+                let t = self.turns.last().expect("prefill records itself");
+                eprintln!(
+                    "infer: loaded {} messages from {} ({} tokens prefilled, {} reused)",
+                    self.conv.messages.len(),
+                    path.display(),
+                    t.computed,
+                    t.reused
+                );
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// Installs the Ctrl-C handler (once per process) that raises `flag`.
+fn install_cancel(flag: &Arc<AtomicBool>) {
+    let f = Arc::clone(flag);
+    if ctrlc::set_handler(move || f.store(true, Ordering::SeqCst)).is_err() {
+        eprintln!("infer: warning: cannot catch Ctrl-C; it will not stop answers");
+    }
+}
+
+fn history_path() -> Option<PathBuf> {
+    dirs::data_dir().map(|d| d.join("infer").join("history.txt"))
+}
+
+pub fn chat(a: ChatArgs) -> Result<()> {
+    if a.temp < 0.0 || !a.temp.is_finite() {
+        return Err(UsageError(format!("--temp must be ≥ 0, got {}", a.temp)).into());
+    }
+    if !(0.0..=1.0).contains(&a.top_p) || !(0.0..=1.0).contains(&a.min_p) {
+        return Err(UsageError("--top-p and --min-p must be within 0..1".into()).into());
+    }
+    let loaded = load(&a.model.model, a.model.threads, a.ctx)?;
+    let template = resolve_template(&loaded.gguf, &loaded.tokenizer, a.chat_template.as_deref())?;
+    let stop = match template {
+        Some(_) => Vec::new(),
+        None => FALLBACK_STOPS.iter().map(|s| s.to_string()).collect(),
+    };
+    let params = GenParams {
+        max_tokens: a.max_tokens,
+        sampler: SamplerConfig {
+            temperature: a.temp,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repeat_penalty: a.repeat_penalty,
+            seed: a.seed.unwrap_or_else(SamplerConfig::entropy_seed),
+            ..SamplerConfig::default()
+        },
+        stop,
+    };
+    eprintln!(
+        "infer: loaded {} in {:.2} s ({} threads, context {}). /help lists commands; Ctrl-D leaves.",
+        a.model.model.display(),
+        loaded.load_secs,
+        loaded.threads,
+        loaded.runner.n_ctx()
+    );
+    let cancel = Arc::new(AtomicBool::new(false));
+    install_cancel(&cancel);
+    let mut s = Session {
+        runner: loaded.runner,
+        tok: loaded.tokenizer,
+        template,
+        conv: Conversation::new(a.system.as_deref()),
+        seq: Sequence::default(),
+        seq_text: String::new(),
+        params,
+        turns: Vec::new(),
+        cancel,
+    };
+
+    let config = rustyline::Config::builder().auto_add_history(false).build();
+    let mut rl: Editor<InputHelper, DefaultHistory> = Editor::with_config(config)?;
+    rl.set_helper(Some(InputHelper));
+    let history = if a.no_history { None } else { history_path() };
+    if let Some(h) = &history {
+        if h.exists() {
+            if let Err(e) = rl.load_history(h) {
+                eprintln!("infer: warning: cannot read history {}: {e}", h.display());
+            }
+        }
+    }
+    loop {
+        let line = match rl.readline(">>> ") {
+            Ok(l) => l,
+            Err(ReadlineError::Interrupted) => continue,
+            Err(ReadlineError::Eof) => break,
+            Err(e) => return Err(e.into()),
+        };
+        if line.trim().is_empty() {
+            continue;
+        }
+        let _ = rl.add_history_entry(line.as_str());
+        let outcome = match input::parse_command(&line) {
+            Some(Ok(cmd)) => s.command(cmd),
+            Some(Err(msg)) => {
+                eprintln!("infer: {msg}");
+                Ok(true)
+            }
+            None => s.turn(input::normalize(&line)).map(|()| true),
+        };
+        match outcome {
+            Ok(true) => {}
+            Ok(false) => break,
+            Err(e) => eprintln!("infer: {e:#}"),
+        }
+    }
+    if let Some(h) = &history {
+        let saved = h
+            .parent()
+            .map_or(Ok(()), std::fs::create_dir_all)
+            .map_err(ReadlineError::from)
+            .and_then(|()| rl.save_history(h));
+        if let Err(e) = saved {
+            eprintln!("infer: warning: cannot write history {}: {e}", h.display());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,253 @@
+//! AVX2 kernels for the 32-value legacy blocks: Q4_0, Q5_0, Q8_0 × Q8_0 and Q4_1, Q5_1 × Q8_1.
+//!
+//! Each `*_rows::<M>` unpacks one weight block to 32 bytes once and multiplies it with `M`
+//! activation rows. Signed × signed products use ggml's sign transfer (`|w|` times `a` carrying
+//! `w`'s sign, `vpmaddubsw`, `vpmaddwd` by ones): exact as long as no activation byte is -128.
+//! Float accumulation per row follows what llama.cpp runs on an AVX2 machine:
+//! - Q4_0: the repacked `gemv_q4_0_8x8_q8_0` — one integer sum per block,
+//!   `acc = fma(isum, d_w * d_a, acc)` (rows in the lanes of one vector).
+//! - Q5_0, Q8_0, Q4_1, Q5_1: `ggml_vec_dot_*`'s AVX2 branch — eight i32 lanes per block
+//!   (lane `l` = bytes `4l..4l+4`), `acc = fma(d_w * d_a, lanes, acc)`, `hsum_float_8`; Q4_1/Q5_1
+//!   add `Σ m_w * s_a` kept in a scalar (fused, as compilers contract ggml's `summs += m * s`).
+//!
+//! Layouts (byte offsets): Q4_0 `d`@0 `qs`@2; Q4_1 `d`@0 `m`@2 `qs`@4; Q5_0 `d`@0 `qh`@2 `qs`@6;
+//! Q5_1 `d`@0 `m`@2 `qh`@4 `qs`@8; Q8_0 `d`@0 `qs`@2; Q8_1 `d`@0 `s`@2 `qs`@4.
+
+use std::arch::x86_64::*;
+
+use super::{
+    bytes_from_bits_32, bytes_from_nibbles_32, entries, f16_at, hsum_float_8, hsum_rows, ld,
+    mul_sum_us8,
+};
+use crate::quant::blocks::{
+    Block, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1,
+};
+
+const QK: usize = 32;
+
+entries!(
+    q4_0_dot,
+    q4_0_tile,
+    q4_0_rows,
+    QK,
+    BlockQ4_0::BYTES,
+    BlockQ8_0::BYTES,
+    4
+);
+entries!(
+    q5_0_dot,
+    q5_0_tile,
+    q5_0_rows,
+    QK,
+    BlockQ5_0::BYTES,
+    BlockQ8_0::BYTES,
+    4
+);
+entries!(
+    q8_0_dot,
+    q8_0_tile,
+    q8_0_rows,
+    QK,
+    BlockQ8_0::BYTES,
+    BlockQ8_0::BYTES,
+    4
+);
+entries!(
+    q4_1_dot,
+    q4_1_tile,
+    q4_1_rows,
+    QK,
+    BlockQ4_1::BYTES,
+    BlockQ8_1::BYTES,
+    4
+);
+entries!(
+    q5_1_dot,
+    q5_1_tile,
+    q5_1_rows,
+    QK,
+    BlockQ5_1::BYTES,
+    BlockQ8_1::BYTES,
+    4
+);
+
+/// Q4_0 (values `nibble - 8`).
+///
+/// # Safety
+/// AVX2, FMA and F16C are available; `w` points at `nb` Q4_0 blocks; `a + r * stride` for
+/// `r < M` at `nb` Q8_0 blocks; `out` at `M` writable f32 slots.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0_rows<const M: usize>(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    stride: usize,
+    out: *mut f32,
+) {
+    let mut acc = _mm_setzero_ps();
+    for b in 0..nb {
+        let x = w.add(b * BlockQ4_0::BYTES);
+        let ya = a.add(b * BlockQ8_0::BYTES);
+        let qx = _mm256_sub_epi8(bytes_from_nibbles_32(x.add(2)), _mm256_set1_epi8(8));
+        let ax = _mm256_sign_epi8(qx, qx);
+        let mut isum = [_mm256_setzero_si256(); M];
+        let mut da = [0f32; 4];
+        for (r, (s, d)) in isum.iter_mut().zip(da.iter_mut()).enumerate() {
+            let y = ya.add(r * stride);
+            *s = mul_sum_us8(ax, _mm256_sign_epi8(ld(y.add(2)), qx));
+            *d = f16_at(y);
+        }
+        let d = _mm_mul_ps(_mm_set1_ps(f16_at(x)), _mm_loadu_ps(da.as_ptr()));
+        acc = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum_rows(&isum)), d, acc);
+    }
+    let mut res = [0f32; 4];
+    _mm_storeu_ps(res.as_mut_ptr(), acc);
+    std::ptr::copy_nonoverlapping(res.as_ptr(), out, M);
+}
+
+/// The shared body of the signed × Q8_0 kernels (Q5_0, Q8_0): `unpack(x)` gives a block's 32
+/// signed weight bytes from its block pointer.
+///
+/// # Safety
+/// As [`q4_0_rows`], with `wbytes`-byte weight blocks that `unpack` reads within.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn signed_q8_0_rows<const M: usize>(
+    nb: usize,
+    w: *const u8,
+    wbytes: usize,
+    a: *const u8,
+    stride: usize,
+    out: *mut f32,
+    unpack: impl Fn(*const u8) -> __m256i,
+) {
+    let mut acc = [_mm256_setzero_ps(); M];
+    for b in 0..nb {
+        let x = w.add(b * wbytes);
+        let ya = a.add(b * BlockQ8_0::BYTES);
+        let qx = unpack(x);
+        let ax = _mm256_sign_epi8(qx, qx);
+        let dw = f16_at(x);
+        for (r, ac) in acc.iter_mut().enumerate() {
+            let y = ya.add(r * stride);
+            let q = _mm256_cvtepi32_ps(mul_sum_us8(ax, _mm256_sign_epi8(ld(y.add(2)), qx)));
+            let d = dw * f16_at(y);
+            *ac = _mm256_fmadd_ps(_mm256_set1_ps(d), q, *ac);
+        }
+    }
+    for (r, ac) in acc.iter().enumerate() {
+        *out.add(r) = hsum_float_8(*ac);
+    }
+}
+
+/// Q8_0 × Q8_0.
+///
+/// # Safety
+/// As [`q4_0_rows`], with Q8_0 weight blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_rows<const M: usize>(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    stride: usize,
+    out: *mut f32,
+) {
+    // SAFETY (of the closure's read): `x` is a block pointer, whose 32 quants sit at 2..34.
+    let unpack = |x: *const u8| ld(x.add(2));
+    signed_q8_0_rows::<M>(nb, w, BlockQ8_0::BYTES, a, stride, out, unpack);
+}
+
+/// Q5_0 (values `q5 - 16`: nibble | 0xF0 where the fifth bit is clear, as ggml builds them).
+///
+/// # Safety
+/// As [`q4_0_rows`], with Q5_0 weight blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_0_rows<const M: usize>(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    stride: usize,
+    out: *mut f32,
+) {
+    // SAFETY (of the closure's reads): `qh` sits at 2..6 and `qs` at 6..22 of the block.
+    let unpack = |x: *const u8| {
+        let hi = _mm256_andnot_si256(bytes_from_bits_32(x.add(2)), _mm256_set1_epi8(-16));
+        _mm256_or_si256(bytes_from_nibbles_32(x.add(6)), hi)
+    };
+    signed_q8_0_rows::<M>(nb, w, BlockQ5_0::BYTES, a, stride, out, unpack);
+}
+
+/// The shared body of the unsigned × Q8_1 kernels (Q4_1, Q5_1): `unpack(x)` gives a block's 32
+/// unsigned weight bytes; the block's `m` (f16 @2) times the activation's `s` is added apart.
+///
+/// # Safety
+/// As [`q4_0_rows`], with `wbytes`-byte weight blocks that `unpack` reads within, and Q8_1
+/// activation blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unsigned_q8_1_rows<const M: usize>(
+    nb: usize,
+    w: *const u8,
+    wbytes: usize,
+    a: *const u8,
+    stride: usize,
+    out: *mut f32,
+    unpack: impl Fn(*const u8) -> __m256i,
+) {
+    let mut acc = [_mm256_setzero_ps(); M];
+    let mut summs = [0f32; M];
+    for b in 0..nb {
+        let x = w.add(b * wbytes);
+        let ya = a.add(b * BlockQ8_1::BYTES);
+        let qx = unpack(x);
+        let dw = f16_at(x);
+        let mw = f16_at(x.add(2));
+        for (r, (ac, sm)) in acc.iter_mut().zip(summs.iter_mut()).enumerate() {
+            let y = ya.add(r * stride);
+            *sm = mw.mul_add(f16_at(y.add(2)), *sm);
+            let q = _mm256_cvtepi32_ps(mul_sum_us8(qx, ld(y.add(4))));
+            let d = dw * f16_at(y);
+            *ac = _mm256_fmadd_ps(_mm256_set1_ps(d), q, *ac);
+        }
+    }
+    for (r, (ac, sm)) in acc.iter().zip(summs.iter()).enumerate() {
+        *out.add(r) = hsum_float_8(*ac) + sm;
+    }
+}
+
+/// Q4_1 × Q8_1.
+///
+/// # Safety
+/// As [`q4_0_rows`], with Q4_1 weight blocks and Q8_1 activation blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_1_rows<const M: usize>(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    stride: usize,
+    out: *mut f32,
+) {
+    // SAFETY (of the closure's read): `qs` sits at 4..20 of the block.
+    let unpack = |x: *const u8| bytes_from_nibbles_32(x.add(4));
+    unsigned_q8_1_rows::<M>(nb, w, BlockQ4_1::BYTES, a, stride, out, unpack);
+}
+
+/// Q5_1 × Q8_1 (values nibble | 0x10 where the fifth bit is set).
+///
+/// # Safety
+/// As [`q4_0_rows`], with Q5_1 weight blocks and Q8_1 activation blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_1_rows<const M: usize>(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    stride: usize,
+    out: *mut f32,
+) {
+    // SAFETY (of the closure's reads): `qh` sits at 4..8 and `qs` at 8..24 of the block.
+    let unpack = |x: *const u8| {
+        let hi = _mm256_and_si256(bytes_from_bits_32(x.add(4)), _mm256_set1_epi8(0x10));
+        _mm256_or_si256(bytes_from_nibbles_32(x.add(8)), hi)
+    };
+    unsigned_q8_1_rows::<M>(nb, w, BlockQ5_1::BYTES, a, stride, out, unpack);
+}
