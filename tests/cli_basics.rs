@@ -19,7 +19,16 @@ fn usage_errors_exit_2() {
     assert!(e.contains("scripts/fetch-models.sh"), "{e}");
     // no prompt at all, stdin not piped
     let m = model(GEMMA);
-    let o = common::infer(&["run", "-m", m.to_str().unwrap(), "--prompt-ids", "999999999"], None);
+    let o = common::infer(
+        &[
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "--prompt-ids",
+            "999999999",
+        ],
+        None,
+    );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("outside the vocabulary"));
 }
@@ -57,18 +66,33 @@ fn tokenize_matches_llama_cpp_probes() {
     let mut checked = 0;
     for line in tsv.lines().filter(|l| !l.trim().is_empty()) {
         let cols: Vec<&str> = line.split('\t').collect();
-        let file = if cols[0].starts_with("qwen") { QWEN } else { GEMMA };
+        let file = if cols[0].starts_with("qwen") {
+            QWEN
+        } else {
+            GEMMA
+        };
         let m = model(file);
         let m = m.to_str().unwrap();
         let text = text_of(cols[1]);
-        for (col, flags) in [(2, &[][..]), (3, &["--no-bos"][..]), (4, &["--no-special"][..])] {
+        for (col, flags) in [
+            (2, &[][..]),
+            (3, &["--no-bos"][..]),
+            (4, &["--no-special"][..]),
+        ] {
             let want = ids(cols[col].rsplit_once('=').unwrap().1);
             let mut args = vec!["tokenize", "-m", m];
             args.extend_from_slice(flags);
             args.push(text);
             let o = common::infer(&args, None);
             assert!(o.status.success(), "{}", stderr(&o));
-            assert_eq!(ids(&stdout(&o)), want, "{} {} {:?}", cols[0], cols[1], flags);
+            assert_eq!(
+                ids(&stdout(&o)),
+                want,
+                "{} {} {:?}",
+                cols[0],
+                cols[1],
+                flags
+            );
             checked += 1;
         }
     }
@@ -101,7 +125,10 @@ fn stdin_prompt_equals_flag_prompt_and_json_lines() {
     assert_eq!(a, b);
     assert!(!a.is_empty());
     let j = infer_ok!(None; "run", "-m", m, "-p", "def fibonacci(n):", "-n", "6", "--temp", "0", "--json");
-    let lines: Vec<serde_json::Value> = j.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = j
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     let text: String = lines
         .iter()
         .filter(|v| v.get("done").is_none())
@@ -121,7 +148,10 @@ fn stop_string_cuts_output() {
     let m = m.to_str().unwrap();
     // llama.cpp's greedy continuation: " the capital of the country of France. It is the largest ..."
     let j = infer_ok!(None; "run", "-m", m, "-p", "The capital of France is", "-n", "20", "--temp", "0", "--stop", ". It", "--json");
-    let lines: Vec<serde_json::Value> = j.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = j
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     let text: String = lines
         .iter()
         .filter(|v| v.get("done").is_none())
@@ -135,7 +165,17 @@ fn stop_string_cuts_output() {
 fn closed_stdout_exits_0() {
     let m = model(GEMMA);
     let mut child = Command::new(env!("CARGO_BIN_EXE_infer"))
-        .args(["run", "-m", m.to_str().unwrap(), "-p", "Once upon a time", "-n", "200", "--temp", "0"])
+        .args([
+            "run",
+            "-m",
+            m.to_str().unwrap(),
+            "-p",
+            "Once upon a time",
+            "-n",
+            "200",
+            "--temp",
+            "0",
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

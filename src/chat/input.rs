@@ -73,7 +73,7 @@ Ctrl-C stops an answer (or clears the line); Ctrl-D or /exit leaves.
 Commands:
   /help                  this text
   /clear                 forget the conversation (keeps the system prompt)
-  /system TEXT           set the system prompt (no TEXT: remove it) and start over
+  /system TEXT           set the system prompt (no TEXT: remove it)
   /set temp|top-k|top-p|min-p|seed|max-tokens VALUE
                          change sampling
   /stats                 tokens computed and reused per turn, speed, context used

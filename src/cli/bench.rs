@@ -85,14 +85,15 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     };
 
     // a fresh sequence at `depth`: prefill the depth tokens, return the sequence
-    let fresh = |runner: &mut infer::engine::runner::Runner<_>, rng: &mut Tokens| -> Result<Sequence> {
-        let mut seq = Sequence::default();
-        if a.depth > 0 {
-            let toks: Vec<u32> = (0..a.depth).map(|_| rng.next(vocab)).collect();
-            runner.extend(&mut seq, &toks)?;
-        }
-        Ok(seq)
-    };
+    let fresh =
+        |runner: &mut infer::engine::runner::Runner<_>, rng: &mut Tokens| -> Result<Sequence> {
+            let mut seq = Sequence::default();
+            if a.depth > 0 {
+                let toks: Vec<u32> = (0..a.depth).map(|_| rng.next(vocab)).collect();
+                runner.extend(&mut seq, &toks)?;
+            }
+            Ok(seq)
+        };
     // warm-up: a short prefill and two decode steps
     {
         let mut seq = fresh(&mut runner, &mut rng)?;
@@ -142,7 +143,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if !a.json {
         eprintln!();
     }
-    let tests: Vec<&Summary> = [&pp, &tg].into_iter().filter(|s| !s.runs.is_empty()).collect();
+    let tests: Vec<&Summary> = [&pp, &tg]
+        .into_iter()
+        .filter(|s| !s.runs.is_empty())
+        .collect();
     let bw = bandwidth.median();
     let efficiency = (!tg.runs.is_empty()).then(|| tg.median() * bpt as f64 / 1e9 / bw);
     let name = a.model.model.display().to_string();

@@ -169,7 +169,7 @@ impl Session {
             }
         }
         let bos = wants_bos(&self.tok, self.template.as_ref(), text, true);
-        Ok(self.tok.encode(text, bos, true)?)
+        self.tok.encode(text, bos, true)
     }
 
     /// Room kept for an answer when fitting a prompt into the context.
@@ -360,12 +360,11 @@ impl Session {
             Command::System(text) => {
                 let text = text.trim();
                 self.conv.set_system((!text.is_empty()).then_some(text));
-                self.conv.clear();
                 self.seq_text.clear();
                 if text.is_empty() {
-                    eprintln!("infer: system prompt removed; conversation cleared");
+                    eprintln!("infer: system prompt removed");
                 } else {
-                    eprintln!("infer: system prompt set; conversation cleared");
+                    eprintln!("infer: system prompt set");
                 }
             }
             Command::Set(s) => {

@@ -41,8 +41,8 @@ pub fn load(path: &Path, threads: Option<usize>, ctx: Option<usize>) -> Result<L
     let cfg = ModelConfig::from_gguf(&g).with_context(|| format!("reading {}", path.display()))?;
     let threads = threads.unwrap_or_else(physical_cores).max(1);
     let backend = CpuBackend::new(threads);
-    let weights = Weights::load(&g, &cfg, &backend)
-        .with_context(|| format!("loading {}", path.display()))?;
+    let weights =
+        Weights::load(&g, &cfg, &backend).with_context(|| format!("loading {}", path.display()))?;
     let n_ctx = ctx.unwrap_or(4096).min(cfg.n_ctx_train.max(1));
     let model = Model {
         cfg,
