@@ -19,7 +19,9 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use infer::format::GgmlType;
-use infer::kernels::cpu::simd::{kernels_at, reference, Kernels, Level};
+use infer::kernels::cpu::simd::{
+    kernels_at, q4k_gemm, q4k_gemm_kernels_at, reference, Kernels, Level,
+};
 use infer::quant::{activation_row_bytes, quantize_activations, quantize_row, vec_dot_type};
 
 const ROWS: usize = 1536;
@@ -225,6 +227,25 @@ fn main() {
             });
             let per = Duration::from_secs_f64(t.as_secs_f64() / count as f64);
             report(&format!("{} dot cold", level.name()), &d, per, 1, None);
+        }
+        if ty == GgmlType::Q4K {
+            // The GEMM-structure flavour llama.cpp uses for groups of four rows.
+            let twin = Kernels {
+                dot: q4k_gemm::dot,
+                tile: q4k_gemm::tile,
+                name: "scalar/q4_K-gemm",
+            };
+            let t = time_tile(&twin, &d, 4, budget);
+            report("scalar gemm m4", &d, t, 4, None);
+            for &level in &levels {
+                if let Some(k) = q4k_gemm_kernels_at(level) {
+                    for m in [1, 4, 16] {
+                        let t = time_tile(&k, &d, m, budget);
+                        let base = Duration::from_secs_f64(sdot.as_secs_f64() * m as f64);
+                        report(&format!("{} gemm m{m}", level.name()), &d, t, m, Some(base));
+                    }
+                }
+            }
         }
     }
 }

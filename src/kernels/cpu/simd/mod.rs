@@ -6,8 +6,9 @@
 //! unpacks each weight block once for all `m` rows). Both take the same raw, unaligned GGUF bytes as
 //! the scalar reference [`crate::quant::vec_dot`] — weights in their file layout, activations in
 //! [`crate::quant::vec_dot_type`] of the weight type — and that reference is the scalar twin of
-//! every kernel: [`kernels`] returns `None` where only it exists, and [`reference`] wraps it in the
-//! same shape.
+//! every kernel: [`kernels`] returns `None` where only it exists, and [`reference()`] wraps it in the
+//! same shape. Q4_K has a second flavour, [`q4k_gemm_kernels`], for the activation rows llama.cpp
+//! multiplies with its GEMM rather than its GEMV (scalar twin: [`q4k_gemm`]).
 //!
 //! Invariants every kernel keeps (and the tests check):
 //! - Integer parts are exact, as in ggml. The float accumulation follows the ggml-cpu x86 kernel
@@ -17,7 +18,8 @@
 //!   structure (eight f32 lanes, `hsum_float_8`) for the other types. Results therefore differ
 //!   from the scalar reference (ggml's generic C) only by float rounding: within `1e-5 * Σ|w·a|`.
 //! - `tile` is batch-invariant: `out[j]` is bit-identical to `dot` of the same weight row with
-//!   activation row `j`, whatever `m` and wherever row `j` falls in the tile.
+//!   activation row `j`, whatever `m` and wherever row `j` falls in the tile. (llama.cpp itself is
+//!   not: for Q4_K it uses the GEMM flavour on whole groups of four rows.)
 //! - Activations must come from ggml's quantizers (`quantize_activations`): like ggml's x86 kernels
 //!   (`_mm256_sign_epi8`), the kernels assume no activation byte is -128.
 //! - Nothing here runs an instruction the CPU lacks: a level is used only after run-time detection,
@@ -26,7 +28,8 @@
 //! Levels: `avx2` (AVX2 + FMA + F16C, `vpmaddubsw`) on x86-64, else `scalar`. `INFER_SIMD=scalar`
 //! forces the reference; `avx2`, `avx512` and `avx512vnni` ask for at most that level. There are no
 //! AVX-512 kernels yet, so the AVX-512 names currently select AVX2 (they were written and measured
-//! on a machine whose hypervisor hides AVX-512); `level()` always reports what is really used.
+//! on a machine whose hypervisor hides AVX-512, so no AVX-512 code could be tested); `level()`
+//! always reports what is really used. Throughput is measured by `benches/kernels.rs`.
 
 use std::sync::OnceLock;
 
@@ -34,6 +37,7 @@ use crate::format::GgmlType;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+pub mod q4k_gemm;
 #[cfg(test)]
 mod tests;
 
@@ -144,7 +148,7 @@ pub fn level() -> &'static str {
 }
 
 /// The best kernels for `ty` at the level in use ([`current`]), or `None` if only the scalar
-/// reference exists (the caller then uses `crate::quant::vec_dot`, or [`reference`]).
+/// reference exists (the caller then uses `crate::quant::vec_dot`, or [`reference()`]).
 pub fn kernels(ty: GgmlType) -> Option<Kernels> {
     kernels_at(current(), ty)
 }
@@ -187,6 +191,33 @@ pub fn reference(ty: GgmlType) -> Option<Kernels> {
         Q3K => "scalar/q3_K", Q4K => "scalar/q4_K", Q5K => "scalar/q5_K",
         Q6K => "scalar/q6_K",
     )
+}
+
+/// Q4_K kernels that accumulate like llama.cpp's repacked Q4_K **GEMM** (one `fma` per pair of
+/// sub-blocks; see [`q4k_gemm`]) rather than its GEMV (one per super-block, which is what
+/// `kernels(Q4K)` does). llama.cpp uses the GEMM for whole groups of four activation rows of a
+/// matrix with a multiple of 8 rows, the GEMV for the rest. The best level in use, else the scalar
+/// twin [`q4k_gemm::dot`] / [`q4k_gemm::tile`] (name `"scalar/q4_K-gemm"`).
+pub fn q4k_gemm_kernels() -> Kernels {
+    q4k_gemm_kernels_at(current()).unwrap_or(Kernels {
+        dot: q4k_gemm::dot,
+        tile: q4k_gemm::tile,
+        name: "scalar/q4_K-gemm",
+    })
+}
+
+/// [`q4k_gemm_kernels`] at exactly `level`, or `None` where [`kernels_at`] would give `None`.
+pub fn q4k_gemm_kernels_at(level: Level) -> Option<Kernels> {
+    if !level.available() {
+        return None;
+    }
+    match level {
+        Level::Scalar => None,
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => avx2::q4k_gemm(),
+        #[cfg(not(target_arch = "x86_64"))]
+        Level::Avx2 => None,
+    }
 }
 
 fn ref_type(id: u32) -> GgmlType {

@@ -220,6 +220,39 @@ fn simd_kernels_match_reference_and_tiles_match_dots() {
     }
 }
 
+/// The Q4_K GEMM-structure kernels: SIMD bit-identical to the scalar twin, close to the
+/// reference, tile == dot.
+#[test]
+fn q4k_gemm_kernels_match_their_scalar_twin() {
+    let twin = Kernels {
+        dot: q4k_gemm::dot,
+        tile: q4k_gemm::tile,
+        name: "scalar/q4_K-gemm",
+    };
+    let mut rng = Rng(0xfeed_beef);
+    for nb in 1..=16 {
+        let case = Case::new(GgmlType::Q4K, 256 * nb, 13, &mut rng);
+        case.check(GgmlType::Q4K, &twin);
+        for level in simd_levels() {
+            let k = q4k_gemm_kernels_at(level).unwrap();
+            case.check(GgmlType::Q4K, &k);
+            for j in 0..case.rows {
+                let (got, want) = (
+                    (k.dot)(case.n, &case.w, case.act(j)),
+                    (twin.dot)(case.n, &case.w, case.act(j)),
+                );
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{} nb={nb} row {j}: {got} vs {want}",
+                    k.name
+                );
+            }
+        }
+    }
+    assert!(q4k_gemm_kernels().name.ends_with("/q4_K-gemm"));
+}
+
 #[test]
 fn simd_levels_agree_with_each_other() {
     let mut rng = Rng(0x5151_7a7a_0101_3c3c);

@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{entries, f16_at, ld128};
+use super::{entries, f16_at, ld128, prefetch_ahead};
 
 entries!(f16_dot, f16_tile, f16_rows, 1, 2, 2, 2);
 entries!(bf16_dot, bf16_tile, bf16_rows, 1, 2, 2, 2);
@@ -31,6 +31,7 @@ unsafe fn f16_rows<const M: usize>(
     let mut i = 0;
     while i < np {
         let x = w.add(2 * i);
+        prefetch_ahead(x, 1);
         let wx = [
             _mm256_cvtph_ps(ld128(x)),
             _mm256_cvtph_ps(ld128(x.add(16))),
@@ -89,6 +90,7 @@ unsafe fn bf16_rows<const M: usize>(
     let mut i = 0;
     while i < np {
         let x = w.add(2 * i);
+        prefetch_ahead(x, 1);
         let wx = [
             bf16x8(x),
             bf16x8(x.add(16)),

@@ -7,6 +7,9 @@
 //! - Q4_K: the repacked `ggml_gemv_q4_K_8x8_q8_K` — per super-block one integer sum `isum` and one
 //!   min sum `imin`, `acc = fma(isum, d_w * d_a, acc)`, `accm = fma(imin, dmin_w * d_a, accm)`,
 //!   result `acc - accm` (rows sit in the lanes of one vector, so each lane is that scalar chain).
+//! - Q4_K, second flavour (`q4k_gemm_*`): the repacked `ggml_gemm_q4_K_8x8_q8_K` that llama.cpp
+//!   uses for whole groups of four activation rows — the same with one `fma` per pair of
+//!   sub-blocks (64 values) instead of one per super-block.
 //! - Q2_K, Q3_K, Q5_K, Q6_K: `ggml_vec_dot_*_q8_K`'s AVX2 branch — eight i32 lanes per super-block
 //!   (lane `l` holds bytes `4l..4l+4` of every 32-byte group), `acc = fma(d, lanes, acc)` in eight
 //!   f32 lanes, then `hsum_float_8` (plus Q5_K's separately fused min sum).
@@ -16,7 +19,10 @@
 
 use std::arch::x86_64::*;
 
-use super::{entries, f16_at, hsum_float_8, k4_scales_mins, ld, ld128, rd_f32, rd_u32};
+use super::{
+    entries, f16_bcast, f16x2_at, hsum_float_8, hsum_rows, k4_scales_mins, ld, ld128,
+    prefetch_ahead, rd_f32, rd_u32,
+};
 use crate::quant::blocks::{Block, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K};
 
 const QK: usize = 256;
@@ -25,6 +31,15 @@ const A_QS: usize = 4;
 const A_BSUMS: usize = 260;
 
 entries!(q4k_dot, q4k_tile, q4k_rows, QK, BlockQ4K::BYTES, A_BYTES, 4);
+entries!(
+    q4k_gemm_dot,
+    q4k_gemm_tile,
+    q4k_gemm_rows,
+    QK,
+    BlockQ4K::BYTES,
+    A_BYTES,
+    4
+);
 entries!(q6k_dot, q6k_tile, q6k_rows, QK, BlockQ6K::BYTES, A_BYTES, 4);
 entries!(q5k_dot, q5k_tile, q5k_rows, QK, BlockQ5K::BYTES, A_BYTES, 4);
 entries!(q3k_dot, q3k_tile, q3k_rows, QK, BlockQ3K::BYTES, A_BYTES, 4);
@@ -74,6 +89,7 @@ unsafe fn q4k_rows<const M: usize>(
     let mut acc = _mm256_setzero_ps();
     for b in 0..nb {
         let x = w.add(b * BlockQ4K::BYTES);
+        prefetch_ahead(x, 3);
         let ya = a.add(b * A_BYTES);
         let (sc, mn) = k4_scales_mins(x.add(4));
         // The 8 scales as dwords `sc | sc << 16`, read back below as broadcasts from memory
@@ -198,6 +214,91 @@ fn q4k_fold<const M: usize>(
     ))
 }
 
+/// Q4_K with llama.cpp's repacked-GEMM accumulation: per super-block and per pair `p` of
+/// sub-blocks (`2p`, `2p + 1`: the low and high nibbles of 32-byte chunk `p`) an exact
+/// `isum_p = sc[2p]·dot[2p] + sc[2p+1]·dot[2p+1]` and `imin_p = m[2p]·bsum[2p] + m[2p+1]·bsum[2p+1]`
+/// (`bsum[k]` the activation sum of sub-block `k`), then `acc = fma(isum_p, d_w·d_a, acc)` and
+/// `accm = fma(imin_p, dmin_w·d_a, accm)`; result `acc - accm`. Rows sit in the lanes of `acc`.
+///
+/// # Safety
+/// As [`q4k_rows`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4k_gemm_rows<const M: usize>(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    stride: usize,
+    out: *mut f32,
+) {
+    let m4 = _mm256_set1_epi8(0xF);
+    let mut acc = _mm_setzero_ps();
+    let mut accm = _mm_setzero_ps();
+    for b in 0..nb {
+        let x = w.add(b * BlockQ4K::BYTES);
+        prefetch_ahead(x, 3);
+        let ya = a.add(b * A_BYTES);
+        let (sc, mn) = k4_scales_mins(x.add(4));
+        // As in `q4k_rows`: scales broadcast from memory.
+        let mut sc_buf = [0i32; 8];
+        _mm256_storeu_si256(sc_buf.as_mut_ptr().cast(), k4_scale_dwords(sc));
+        let sc_buf = std::hint::black_box(&sc_buf);
+        let mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
+        // Per row, imin_p in lane p; then transposed so that `imin[p]` has row r in lane r.
+        let mut imin = [_mm_setzero_si128(); 4];
+        let mut da = [0f32; 4];
+        for (r, (im, d)) in imin.iter_mut().zip(da.iter_mut()).take(M).enumerate() {
+            let y = ya.add(r * stride);
+            let bs = ld(y.add(A_BSUMS));
+            let q8s = _mm_hadd_epi16(
+                _mm256_castsi256_si128(bs),
+                _mm256_extracti128_si256::<1>(bs),
+            );
+            *im = _mm_madd_epi16(q8s, mins);
+            *d = rd_f32(y);
+        }
+        let imin = transpose4(imin);
+        let da = _mm_setr_ps(da[0], da[1], da[2], da[3]);
+        let (dw, dminw) = f16x2_at(x);
+        let d = _mm_mul_ps(_mm_set1_ps(dw), da);
+        let dmin = _mm_mul_ps(_mm_set1_ps(dminw), da);
+        for (p, imin_p) in imin.iter().enumerate() {
+            let bits = ld(x.add(16 + 32 * p));
+            let lo = _mm256_and_si256(bits, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+            let s_lo = _mm256_set1_epi32(sc_buf[2 * p]);
+            let s_hi = _mm256_set1_epi32(sc_buf[2 * p + 1]);
+            let mut isum = [_mm256_setzero_si256(); M];
+            for (r, s) in isum.iter_mut().enumerate() {
+                let y = ya.add(r * stride + A_QS + 64 * p);
+                let p_lo = _mm256_madd_epi16(s_lo, _mm256_maddubs_epi16(lo, ld(y)));
+                let p_hi = _mm256_madd_epi16(s_hi, _mm256_maddubs_epi16(hi, ld(y.add(32))));
+                *s = _mm256_add_epi32(p_lo, p_hi);
+            }
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum_rows(&isum)), d, acc);
+            accm = _mm_fmadd_ps(_mm_cvtepi32_ps(*imin_p), dmin, accm);
+        }
+    }
+    let mut res = [0f32; 4];
+    _mm_storeu_ps(res.as_mut_ptr(), _mm_sub_ps(acc, accm));
+    std::ptr::copy_nonoverlapping(res.as_ptr(), out, M);
+}
+
+/// The 4×4 transpose of four i32 vectors: lane `r` of result `p` is lane `p` of `v[r]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn transpose4(v: [__m128i; 4]) -> [__m128i; 4] {
+    let t0 = _mm_unpacklo_epi32(v[0], v[1]);
+    let t1 = _mm_unpacklo_epi32(v[2], v[3]);
+    let t2 = _mm_unpackhi_epi32(v[0], v[1]);
+    let t3 = _mm_unpackhi_epi32(v[2], v[3]);
+    [
+        _mm_unpacklo_epi64(t0, t1),
+        _mm_unpackhi_epi64(t0, t1),
+        _mm_unpacklo_epi64(t2, t3),
+        _mm_unpackhi_epi64(t2, t3),
+    ]
+}
+
 /// Q6_K (block: `ql` 128 bytes @0, `qh` 64 bytes @128, 16 i8 scales @192, `d` f16 @208). Values
 /// are taken unsigned (0..64) and `32 * Σ scale * bsum` is subtracted, as ggml does.
 ///
@@ -216,6 +317,7 @@ unsafe fn q6k_rows<const M: usize>(
     let mut acc = [_mm256_setzero_ps(); M];
     for b in 0..nb {
         let x = w.add(b * BlockQ6K::BYTES);
+        prefetch_ahead(x, 4);
         let ya = a.add(b * A_BYTES);
         let scales = ld128(x.add(192));
         let mut sumi = [_mm256_setzero_si256(); M];
@@ -249,13 +351,13 @@ unsafe fn q6k_rows<const M: usize>(
             }
         }
         let scales16 = _mm256_cvtepi8_epi16(scales);
-        let dw = f16_at(x.add(208));
+        let dw = f16_bcast(x.add(208));
         for (r, (s, ac)) in sumi.iter().zip(acc.iter_mut()).enumerate() {
             let y = ya.add(r * stride);
             let sub = _mm256_slli_epi32::<5>(_mm256_madd_epi16(ld(y.add(A_BSUMS)), scales16));
             let s = _mm256_sub_epi32(*s, sub);
-            let d = rd_f32(y) * dw;
-            *ac = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), *ac);
+            let d = _mm256_mul_ps(_mm256_set1_ps(rd_f32(y)), dw);
+            *ac = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), *ac);
         }
     }
     for (r, ac) in acc.iter().enumerate() {
@@ -281,12 +383,12 @@ unsafe fn q5k_rows<const M: usize>(
     let mut summs = [0f32; M];
     for b in 0..nb {
         let x = w.add(b * BlockQ5K::BYTES);
+        prefetch_ahead(x, 3);
         let ya = a.add(b * A_BYTES);
         let (sc, mn) = k4_scales_mins(x.add(4));
         let scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
         let mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
-        let dw = f16_at(x);
-        let dminw = f16_at(x.add(2));
+        let (dw, dminw) = f16x2_at(x);
         // Min term: ggml's `summs += dmin * hsum(madd(mins, hadd(bsums)))`, fused as compiled.
         for (r, sm) in summs.iter_mut().enumerate() {
             let y = ya.add(r * stride);
@@ -357,6 +459,7 @@ unsafe fn q3k_rows<const M: usize>(
     let mut acc = [_mm256_setzero_ps(); M];
     for b in 0..nb {
         let x = w.add(b * BlockQ3K::BYTES);
+        prefetch_ahead(x, 2);
         let ya = a.add(b * A_BYTES);
         let (a0, a1, a2) = (rd_u32(x.add(96)), rd_u32(x.add(100)), rd_u32(x.add(104)));
         let scales128 = _mm_sub_epi8(
@@ -399,10 +502,10 @@ unsafe fn q3k_rows<const M: usize>(
                 }
             }
         }
-        let dw = f16_at(x.add(108));
+        let dw = f16_bcast(x.add(108));
         for (r, (s, ac)) in sumi.iter().zip(acc.iter_mut()).enumerate() {
-            let d = rd_f32(ya.add(r * stride)) * dw;
-            *ac = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(*s), *ac);
+            let d = _mm256_mul_ps(_mm256_set1_ps(rd_f32(ya.add(r * stride))), dw);
+            *ac = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(*s), *ac);
         }
     }
     for (r, ac) in acc.iter().enumerate() {
@@ -427,9 +530,9 @@ unsafe fn q2k_rows<const M: usize>(
     let mut acc = [_mm256_setzero_ps(); M];
     for b in 0..nb {
         let x = w.add(b * BlockQ2K::BYTES);
+        prefetch_ahead(x, 2);
         let ya = a.add(b * A_BYTES);
-        let dw = f16_at(x.add(80));
-        let dminw = f16_at(x.add(82));
+        let (dw, dminw) = f16x2_at(x.add(80));
         let ms = ld128(x);
         let scales8 = _mm_and_si128(ms, m4);
         let mins = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(ms), m4));

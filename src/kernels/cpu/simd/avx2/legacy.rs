@@ -16,8 +16,8 @@
 use std::arch::x86_64::*;
 
 use super::{
-    bytes_from_bits_32, bytes_from_nibbles_32, entries, f16_at, hsum_float_8, hsum_rows, ld,
-    mul_sum_us8,
+    bytes_from_bits_32, bytes_from_nibbles_32, entries, f16_bcast, f16x2_at, f16x4_gather,
+    hsum_float_8, hsum_rows, ld, mul_sum_us8, prefetch_ahead,
 };
 use crate::quant::blocks::{
     Block, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1,
@@ -87,17 +87,17 @@ unsafe fn q4_0_rows<const M: usize>(
     let mut acc = _mm_setzero_ps();
     for b in 0..nb {
         let x = w.add(b * BlockQ4_0::BYTES);
+        prefetch_ahead(x, 1);
         let ya = a.add(b * BlockQ8_0::BYTES);
         let qx = _mm256_sub_epi8(bytes_from_nibbles_32(x.add(2)), _mm256_set1_epi8(8));
         let ax = _mm256_sign_epi8(qx, qx);
         let mut isum = [_mm256_setzero_si256(); M];
-        let mut da = [0f32; 4];
-        for (r, (s, d)) in isum.iter_mut().zip(da.iter_mut()).enumerate() {
-            let y = ya.add(r * stride);
+        let mut yr = [ya; M];
+        for (r, (s, y)) in isum.iter_mut().zip(yr.iter_mut()).enumerate() {
+            *y = ya.add(r * stride);
             *s = mul_sum_us8(ax, _mm256_sign_epi8(ld(y.add(2)), qx));
-            *d = f16_at(y);
         }
-        let d = _mm_mul_ps(_mm_set1_ps(f16_at(x)), _mm_loadu_ps(da.as_ptr()));
+        let d = _mm_mul_ps(_mm256_castps256_ps128(f16_bcast(x)), f16x4_gather(&yr));
         acc = _mm_fmadd_ps(_mm_cvtepi32_ps(hsum_rows(&isum)), d, acc);
     }
     let mut res = [0f32; 4];
@@ -124,15 +124,16 @@ unsafe fn signed_q8_0_rows<const M: usize>(
     let mut acc = [_mm256_setzero_ps(); M];
     for b in 0..nb {
         let x = w.add(b * wbytes);
+        prefetch_ahead(x, 1);
         let ya = a.add(b * BlockQ8_0::BYTES);
         let qx = unpack(x);
         let ax = _mm256_sign_epi8(qx, qx);
-        let dw = f16_at(x);
+        let dw = f16_bcast(x);
         for (r, ac) in acc.iter_mut().enumerate() {
             let y = ya.add(r * stride);
             let q = _mm256_cvtepi32_ps(mul_sum_us8(ax, _mm256_sign_epi8(ld(y.add(2)), qx)));
-            let d = dw * f16_at(y);
-            *ac = _mm256_fmadd_ps(_mm256_set1_ps(d), q, *ac);
+            let d = _mm256_mul_ps(dw, f16_bcast(y));
+            *ac = _mm256_fmadd_ps(d, q, *ac);
         }
     }
     for (r, ac) in acc.iter().enumerate() {
@@ -198,16 +199,16 @@ unsafe fn unsigned_q8_1_rows<const M: usize>(
     let mut summs = [0f32; M];
     for b in 0..nb {
         let x = w.add(b * wbytes);
+        prefetch_ahead(x, 1);
         let ya = a.add(b * BlockQ8_1::BYTES);
         let qx = unpack(x);
-        let dw = f16_at(x);
-        let mw = f16_at(x.add(2));
+        let (dw, mw) = f16x2_at(x);
         for (r, (ac, sm)) in acc.iter_mut().zip(summs.iter_mut()).enumerate() {
             let y = ya.add(r * stride);
-            *sm = mw.mul_add(f16_at(y.add(2)), *sm);
+            let (da, sa) = f16x2_at(y);
+            *sm = mw.mul_add(sa, *sm);
             let q = _mm256_cvtepi32_ps(mul_sum_us8(qx, ld(y.add(4))));
-            let d = dw * f16_at(y);
-            *ac = _mm256_fmadd_ps(_mm256_set1_ps(d), q, *ac);
+            *ac = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), q, *ac);
         }
     }
     for (r, (ac, sm)) in acc.iter().zip(summs.iter()).enumerate() {

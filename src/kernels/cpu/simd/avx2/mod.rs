@@ -3,12 +3,13 @@
 //! once per block for all `M` rows — from which [`entries!`] derives the safe `dot` (`M = 1`) and
 //! `tile` (rows in groups of up to four) entry points.
 //!
-//! Invariants: every kernel here is reachable only through [`kernels`], which first checks that the
-//! CPU has AVX2, FMA and F16C, so the `#[target_feature]` code never runs where it cannot; every
-//! entry point checks the byte lengths (as the scalar reference does) before any raw-pointer read,
-//! and `rows` reads only the `nb` weight blocks and, per activation row, its `nb` activation blocks
-//! (all loads unaligned: GGUF bytes are 1-byte aligned). The float operations of row `j` never
-//! depend on `M` or on the other rows, which is what makes `tile` bit-identical to `dot`.
+//! Invariants: every kernel here is reachable only through [`kernels`] and [`q4k_gemm`], which
+//! first check that the CPU has AVX2, FMA and F16C, so the `#[target_feature]` code never runs
+//! where it cannot; every entry point checks the byte lengths (as the scalar reference does) before
+//! any raw-pointer read, and `rows` reads only the `nb` weight blocks and, per activation row, its
+//! `nb` activation blocks (all loads unaligned: GGUF bytes are 1-byte aligned); the only accesses
+//! past them are prefetch hints, which cannot fault. The float operations of row `j` never depend
+//! on `M` or on the other rows, which is what makes `tile` bit-identical to `dot`.
 
 use std::arch::x86_64::*;
 
@@ -48,6 +49,16 @@ pub(super) fn kernels(ty: GgmlType) -> Option<Kernels> {
         _ => return None,
     };
     Some(Kernels { dot, tile, name })
+}
+
+/// The AVX2 Q4_K tile with llama.cpp's repacked-GEMM accumulation (see `kquants`), or `None`
+/// without AVX2/FMA/F16C.
+pub(super) fn q4k_gemm() -> Option<Kernels> {
+    detected().then_some(Kernels {
+        dot: kquants::q4k_gemm_dot,
+        tile: kquants::q4k_gemm_tile,
+        name: "avx2/q4_K-gemm",
+    })
 }
 
 /// Number of blocks in a row of `n` elements; panics unless `n` is a whole number of `elems`-element
@@ -121,6 +132,22 @@ use entries;
 
 // ---- shared helpers: all `#[inline]` + the level's features, so they inline into the kernels ----
 
+/// How far ahead of the block being read the kernels prefetch weights, in bytes. Decode streams
+/// each weight row from memory exactly once; prefetching 2304 bytes (16 Q4_K blocks) ahead cut
+/// the from-memory Q4_K dot time by about 10% on the development machine (AMD EPYC, AVX2), where
+/// the hardware prefetcher alone left the loads and the arithmetic mostly serialized.
+const PREFETCH: usize = 2304;
+
+/// Prefetches the `lines` cache lines at `PREFETCH` bytes past the block at `x` into L1. Never
+/// faults (the address may lie past the weights: `wrapping_add`, and prefetches are only hints).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_ahead(x: *const u8, lines: usize) {
+    for l in 0..lines {
+        _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + 64 * l).cast());
+    }
+}
+
 /// Unaligned 32-byte load.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -147,12 +174,42 @@ unsafe fn rd_u32(p: *const u8) -> u32 {
     p.cast::<u32>().read_unaligned()
 }
 
-/// The f16 at `p` (unaligned) widened to f32 (exact, F16C).
+/// The f16 at `p` (unaligned) widened to f32 (exact, F16C), in all eight lanes.
+///
+/// The f16 helpers load full vector widths on purpose: converting a lone 16-bit value lets the
+/// compiler insert it into whatever register is free (`vpinsrw`), a false dependency that chained
+/// the per-block scale of the 32-value kernels to the previous block's accumulator.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_bcast(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_set1_epi16(p.cast::<i16>().read_unaligned()))
+}
+
+/// The f16 at `p` (unaligned) widened to f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16_at(p: *const u8) -> f32 {
-    let h = p.cast::<u16>().read_unaligned();
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+    _mm256_cvtss_f32(f16_bcast(p))
+}
+
+/// The two consecutive f16 at `p` and `p + 2` (reads 4 bytes) widened to f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16x2_at(p: *const u8) -> (f32, f32) {
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(rd_u32(p) as i32));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+}
+
+/// The four f16 at `p[0]`, `p[1]`, .. (2 bytes each, unaligned; `p.len() <= 4`, the rest 0)
+/// widened to f32 in lanes 0..4.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16x4_gather(p: &[*const u8]) -> __m128 {
+    let mut bits = 0u64;
+    for (i, q) in p.iter().enumerate() {
+        bits |= (q.cast::<u16>().read_unaligned() as u64) << (16 * i);
+    }
+    _mm_cvtph_ps(_mm_cvtsi64_si128(bits as i64))
 }
 
 /// ggml's `hsum_float_8`: `((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))`.
