@@ -34,7 +34,9 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
                 .with_context(|| format!("re-quantizing {}", file.display()))?;
             (file, r)
         }
-        _ => return Err(UsageError("give exactly one of --from-hf DIR and --in FILE".into()).into()),
+        _ => {
+            return Err(UsageError("give exactly one of --from-hf DIR and --in FILE".into()).into())
+        }
     };
     let s = &report.summary;
     eprintln!(

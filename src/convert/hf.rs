@@ -112,7 +112,10 @@ impl Config {
         self.u64(keys).with_context(|| {
             format!(
                 "config.json has no integer {}",
-                keys.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(" or ")
+                keys.iter()
+                    .map(|k| format!("\"{k}\""))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
             )
         })
     }
@@ -138,7 +141,9 @@ fn hparams(family: Family, cfg: &Config) -> Result<Hparams> {
     let n_embd = cfg.req_u64(&["hidden_size", "n_embd", "dim"])?;
     let n_ff = cfg.req_u64(&["intermediate_size", "n_inner", "hidden_dim"])?;
     let n_head = cfg.req_u64(&["num_attention_heads", "n_head", "n_heads"])?;
-    let n_head_kv = cfg.u64(&["num_key_value_heads", "n_kv_heads"]).unwrap_or(n_head);
+    let n_head_kv = cfg
+        .u64(&["num_key_value_heads", "n_kv_heads"])
+        .unwrap_or(n_head);
     if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
         bail!("config.json: num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_head_kv}");
     }
@@ -190,7 +195,10 @@ fn rope_parameters(cfg: &Config) -> Map<String, Json> {
             "rope_local_base_freq",
         ]);
         if let Some(l) = local {
-            rp.insert("sliding_attention".into(), serde_json::json!({ "rope_theta": l }));
+            rp.insert(
+                "sliding_attention".into(),
+                serde_json::json!({ "rope_theta": l }),
+            );
         }
         let global = cfg.f64(&[
             "global_rope_theta",
@@ -249,11 +257,12 @@ fn arch_metadata(
     let arch = family.gguf_arch();
     let k = |s: &str| format!("{arch}.{s}");
     let mut kv: Vec<(String, Value)> = Vec::new();
-    let set = |kv: &mut Vec<(String, Value)>, item: (String, Value)| {
-        match kv.iter_mut().find(|(key, _)| *key == item.0) {
-            Some(slot) => slot.1 = item.1,
-            None => kv.push(item),
-        }
+    let set = |kv: &mut Vec<(String, Value)>, item: (String, Value)| match kv
+        .iter_mut()
+        .find(|(key, _)| *key == item.0)
+    {
+        Some(slot) => slot.1 = item.1,
+        None => kv.push(item),
     };
     let ctx_keys = [
         "max_position_embeddings",
@@ -274,7 +283,10 @@ fn arch_metadata(
             .get("partial_rotary_factor")
             .and_then(Json::as_f64)
             .unwrap_or(1.0);
-        kv.push(u32_kv(k("context_length"), cfg.req_u64(&["n_positions", "max_position_embeddings"])?));
+        kv.push(u32_kv(
+            k("context_length"),
+            cfg.req_u64(&["n_positions", "max_position_embeddings"])?,
+        ));
         kv.push(u32_kv(k("rope.scaling.original_context_length"), orig));
         kv.push(u32_kv(k("embedding_length"), hp.n_embd));
         kv.push(u32_kv(k("feed_forward_length"), hp.n_ff));
@@ -283,7 +295,8 @@ fn arch_metadata(
         kv.push(u32_kv(k("attention.head_count_kv"), hp.n_head_kv));
         kv.push(f32_kv(
             k("attention.layer_norm_rms_epsilon"),
-            cfg.f64(&["rms_norm_eps"]).context("config.json has no rms_norm_eps")?,
+            cfg.f64(&["rms_norm_eps"])
+                .context("config.json has no rms_norm_eps")?,
         ));
         kv.push(u32_kv(
             k("rope.dimension_count"),
@@ -295,7 +308,10 @@ fn arch_metadata(
                 .and_then(Json::as_f64)
                 .context("config.json has no rope_theta")?,
         ));
-        kv.push(u32_kv("general.file_type".into(), target.file_type() as u64));
+        kv.push(u32_kv(
+            "general.file_type".into(),
+            target.file_type() as u64,
+        ));
         let sw = cfg.u64(&["sliding_window"]).unwrap_or(0);
         kv.push(u32_kv(k("attention.sliding_window"), sw));
         if full.get("long_factor").is_some() {
@@ -391,7 +407,10 @@ fn arch_metadata(
         kv.push(u32_kv(k("attention.key_length"), hd));
         kv.push(u32_kv(k("attention.value_length"), hd));
     }
-    kv.push(u32_kv("general.file_type".into(), target.file_type() as u64));
+    kv.push(u32_kv(
+        "general.file_type".into(),
+        target.file_type() as u64,
+    ));
 
     match family {
         Family::Llama | Family::Mistral | Family::Mixtral => {
@@ -414,7 +433,10 @@ fn arch_metadata(
         Family::Gemma3 => {
             set(
                 &mut kv,
-                u32_kv(k("context_length"), cfg.u64(&["max_position_embeddings"]).unwrap_or(131_072)),
+                u32_kv(
+                    k("context_length"),
+                    cfg.u64(&["max_position_embeddings"]).unwrap_or(131_072),
+                ),
             );
             set(&mut kv, u32_kv(k("attention.head_count"), hp.n_head));
             set(
@@ -531,7 +553,11 @@ fn expert_of(family: Family, layer_rest: &str) -> Option<(usize, &'static str)> 
     let (prefix, table): (&str, &[(&str, &str)]) = match family {
         Family::Mixtral => (
             "block_sparse_moe.experts.",
-            &[("w1", "ffn_gate_exps"), ("w2", "ffn_down_exps"), ("w3", "ffn_up_exps")],
+            &[
+                ("w1", "ffn_gate_exps"),
+                ("w2", "ffn_down_exps"),
+                ("w3", "ffn_up_exps"),
+            ],
         ),
         Family::Qwen3Moe => (
             "mlp.experts.",
@@ -575,7 +601,12 @@ fn is_moe_layer(family: Family, cfg: &Config, hp: &Hparams, layer: u64) -> bool 
 }
 
 /// Every tensor the output may hold, with its shape from `config.json`.
-fn expected(family: Family, cfg: &Config, hp: &Hparams, vocab_rows: u64) -> HashMap<String, Expect> {
+fn expected(
+    family: Family,
+    cfg: &Config,
+    hp: &Hparams,
+    vocab_rows: u64,
+) -> HashMap<String, Expect> {
     let (e, hd) = (hp.n_embd, hp.head_dim);
     let (q, kv) = (hp.n_head * hd, hp.n_head_kv * hd);
     let mut m = HashMap::new();
@@ -656,6 +687,12 @@ fn family_of(cfg: &Config) -> Result<(Family, String)> {
             supported_architectures()
         ),
     }
+}
+
+/// Fails unless `dir/config.json` names a supported architecture (checked before any weights are
+/// opened).
+pub fn check_supported(dir: &Path) -> Result<()> {
+    family_of(&Config::load(dir)?).map(|_| ())
 }
 
 /// Builds the conversion plan for the checkpoint in `dir` (already opened as `ckpt`).
@@ -783,13 +820,24 @@ pub fn plan<'a>(dir: &Path, ckpt: &'a Checkpoint, target: Target) -> Result<HfPl
         let parts: Vec<HfTensor<'a>> = parts.into_iter().flatten().collect();
         let shape = parts[0].shape;
         if let Some(odd) = parts.iter().find(|p| p.shape != shape) {
-            bail!("expert tensor {} has shape {:?}, unlike {} with {shape:?}", odd.name, odd.shape, parts[0].name);
+            bail!(
+                "expert tensor {} has shape {:?}, unlike {} with {shape:?}",
+                odd.name,
+                odd.shape,
+                parts[0].name
+            );
         }
         if shape.len() != 2 {
-            bail!("expert tensor {} has shape {shape:?}, expected a matrix", parts[0].name);
+            bail!(
+                "expert tensor {} has shape {shape:?}, expected a matrix",
+                parts[0].name
+            );
         }
         let name = format!("blk.{layer}.{base}.weight");
-        hf_name_of.insert(name.clone(), format!("{} and the other experts", parts[0].name));
+        hf_name_of.insert(
+            name.clone(),
+            format!("{} and the other experts", parts[0].name),
+        );
         tensors.push(PlannedTensor {
             name,
             dims: vec![shape[1] as u64, shape[0] as u64, parts.len() as u64],
@@ -804,7 +852,10 @@ pub fn plan<'a>(dir: &Path, ckpt: &'a Checkpoint, target: Target) -> Result<HfPl
     let full = full_rope(&rp);
     if family.permutes_qk() && full.get("rope_type").and_then(Json::as_str) == Some("llama3") {
         let factors = llama3_rope_factors(full, hp.head_dim);
-        hf_name_of.insert("rope_freqs.weight".into(), "(computed from rope_parameters)".into());
+        hf_name_of.insert(
+            "rope_freqs.weight".into(),
+            "(computed from rope_parameters)".into(),
+        );
         tensors.push(PlannedTensor {
             name: "rope_freqs.weight".into(),
             dims: vec![factors.len() as u64],
@@ -818,7 +869,11 @@ pub fn plan<'a>(dir: &Path, ckpt: &'a Checkpoint, target: Target) -> Result<HfPl
     for t in &tensors {
         let hf = &hf_name_of[&t.name];
         let Some(x) = expect.get(&t.name) else {
-            bail!("checkpoint tensor {hf} maps to {}, which the {} architecture does not have", t.name, family.gguf_arch());
+            bail!(
+                "checkpoint tensor {hf} maps to {}, which the {} architecture does not have",
+                t.name,
+                family.gguf_arch()
+            );
         };
         if x.dims != t.dims {
             let rev = |d: &[u64]| d.iter().rev().copied().collect::<Vec<_>>();
@@ -849,13 +904,20 @@ pub fn plan<'a>(dir: &Path, ckpt: &'a Checkpoint, target: Target) -> Result<HfPl
     tensors.sort_by(|a, b| super::policy::loader_order(&a.name, &b.name));
 
     let arch = family.gguf_arch();
+    // The folder's name as given (a `.` or `..` is resolved), like the converter's fallback.
     let name = dir
-        .canonicalize()
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .or_else(|| {
+            let p = dir.canonicalize().ok()?;
+            p.file_name().map(|n| n.to_string_lossy().into_owned())
+        })
         .unwrap_or_else(|| "model".into());
     let mut metadata = vec![
-        ("general.architecture".to_owned(), Value::String(arch.into())),
+        (
+            "general.architecture".to_owned(),
+            Value::String(arch.into()),
+        ),
         ("general.type".to_owned(), Value::String("model".into())),
         ("general.name".to_owned(), Value::String(name)),
     ];
@@ -906,6 +968,9 @@ mod tests {
             expert_of(Family::Qwen3Moe, "mlp.experts.7.up_proj.weight"),
             Some((7, "ffn_up_exps"))
         );
-        assert_eq!(expert_of(Family::Llama, "mlp.experts.7.up_proj.weight"), None);
+        assert_eq!(
+            expert_of(Family::Llama, "mlp.experts.7.up_proj.weight"),
+            None
+        );
     }
 }

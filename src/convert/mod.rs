@@ -86,6 +86,7 @@ fn choose_and_write(
 /// Converts the Hugging Face checkpoint folder `dir` (config.json, safetensors, tokenizer.json,
 /// tokenizer_config.json) to a GGUF file at `out`.
 pub fn convert_hf(dir: &Path, out: &Path, opts: &Options) -> Result<Report> {
+    hf::check_supported(dir)?;
     let ckpt = safetensors::Checkpoint::open(dir)?;
     let plan = hf::plan(dir, &ckpt, opts.target)?;
     choose_and_write(out, plan.metadata, &plan.shape, &plan.tensors, opts)

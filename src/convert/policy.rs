@@ -196,7 +196,13 @@ impl State<'_> {
     }
 
     /// `llama_tensor_get_type_impl` for the k-quant mixes.
-    fn mix_type(&mut self, mix: Mix, ty: GgmlType, t: &TensorDesc, cat: Category) -> Result<GgmlType> {
+    fn mix_type(
+        &mut self,
+        mix: Mix,
+        ty: GgmlType,
+        t: &TensorDesc,
+        cat: Category,
+    ) -> Result<GgmlType> {
         use GgmlType::*;
         let n_expert = self.shape.n_expert;
         let mut new_type = ty;
@@ -368,7 +374,12 @@ mod tests {
             n_head_kv: 8,
         };
         let names: Vec<String> = (0..8)
-            .flat_map(|l| [format!("blk.{l}.attn_v.weight"), format!("blk.{l}.ffn_down.weight")])
+            .flat_map(|l| {
+                [
+                    format!("blk.{l}.attn_v.weight"),
+                    format!("blk.{l}.ffn_down.weight"),
+                ]
+            })
             .chain(["output.weight".to_string(), "token_embd.weight".to_string()])
             .collect();
         let dims = [4096u64, 4096];
@@ -386,8 +397,16 @@ mod tests {
         // use_more_bits(i, 8): i < 1 || i >= 7 || (i - 1) % 3 == 2 → layers 0, 3, 6, 7.
         for l in 0..8 {
             let want = if [0, 3, 6, 7].contains(&l) { Q6K } else { Q4K };
-            assert_eq!(by_name(&format!("blk.{l}.attn_v.weight")), want, "attn_v {l}");
-            assert_eq!(by_name(&format!("blk.{l}.ffn_down.weight")), want, "ffn_down {l}");
+            assert_eq!(
+                by_name(&format!("blk.{l}.attn_v.weight")),
+                want,
+                "attn_v {l}"
+            );
+            assert_eq!(
+                by_name(&format!("blk.{l}.ffn_down.weight")),
+                want,
+                "ffn_down {l}"
+            );
         }
         assert_eq!(by_name("output.weight"), Q6K);
         assert_eq!(by_name("token_embd.weight"), Q4K);

@@ -118,8 +118,8 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>> {
     if index.is_file() {
         let text = std::fs::read_to_string(&index)
             .with_context(|| format!("reading {}", index.display()))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("parsing {}", index.display()))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", index.display()))?;
         let map = json
             .get("weight_map")
             .and_then(|m| m.as_object())

@@ -147,7 +147,10 @@ mod tests {
             assert_eq!(Target::parse(&name).unwrap().to_string(), name);
         }
         assert_eq!(Target::parse("Q4_K_M").unwrap(), Target::Mix(Mix::Q4KM));
-        assert_eq!(Target::parse("q5_k_m").unwrap().default_type(), GgmlType::Q5K);
+        assert_eq!(
+            Target::parse("q5_k_m").unwrap().default_type(),
+            GgmlType::Q5K
+        );
         let e = Target::parse("iq2_xxs").unwrap_err().to_string();
         assert!(e.contains("iq2_xxs") && e.contains("q4_k_m"), "{e}");
     }

@@ -306,7 +306,8 @@ fn load_specials(
                 "eos" => special_eos,
                 _ => token_content(tc.get(&format!("{typ}_token"))),
             };
-            let id = content.and_then(|c| added.iter().find(|a| a.content == c).map(|a| a.id as i64));
+            let id =
+                content.and_then(|c| added.iter().find(|a| a.content == c).map(|a| a.id as i64));
             s.set_id(typ, id, n_vocab);
         }
     }
@@ -401,7 +402,9 @@ impl HfTokenizer {
             );
         }
         let tok = read_json(&path)?;
-        let model = tok.get("model").context("tokenizer.json has no \"model\"")?;
+        let model = tok
+            .get("model")
+            .context("tokenizer.json has no \"model\"")?;
         let ty = model.get("type").and_then(Json::as_str).unwrap_or("?");
         if ty != "BPE" {
             bail!("tokenizer.json: tokenizer model type {ty:?} is not supported (only BPE)");
@@ -436,8 +439,8 @@ impl HfTokenizer {
                 special: a.get("special").and_then(Json::as_bool).unwrap_or(false),
             });
         }
-        let tcfg = read_json_opt(&dir.join("tokenizer_config.json"))?
-            .and_then(|v| v.as_object().cloned());
+        let tcfg =
+            read_json_opt(&dir.join("tokenizer_config.json"))?.and_then(|v| v.as_object().cloned());
         Ok(HfTokenizer {
             dir: dir.to_path_buf(),
             tok,
@@ -455,12 +458,19 @@ impl HfTokenizer {
 
     /// True for a SentencePiece-style (byte-fallback) BPE vocabulary.
     pub fn is_spm(&self) -> bool {
-        self.tok.pointer("/model/byte_fallback").and_then(Json::as_bool) == Some(true)
+        self.tok
+            .pointer("/model/byte_fallback")
+            .and_then(Json::as_bool)
+            == Some(true)
     }
 
     /// The `tokenizer.*` metadata for a model with `n_vocab` token embeddings. `config` is
     /// `config.json` (for `*_token_id`).
-    pub fn metadata(&self, n_vocab: usize, config: &Map<String, Json>) -> Result<Vec<(String, Value)>> {
+    pub fn metadata(
+        &self,
+        n_vocab: usize,
+        config: &Map<String, Json>,
+    ) -> Result<Vec<(String, Value)>> {
         let mut tokens: Vec<Option<String>> = vec![None; n_vocab];
         let mut put = |t: &str, id: usize| -> Result<()> {
             match tokens.get_mut(id) {
@@ -591,7 +601,10 @@ impl HfTokenizer {
                 .and_then(|c| c.get("add_prefix_space"))
                 .and_then(Json::as_bool)
                 .unwrap_or_else(|| spm_adds_space_prefix(&self.tok));
-            kv.push(("tokenizer.ggml.add_space_prefix".into(), Value::Bool(prefix)));
+            kv.push((
+                "tokenizer.ggml.add_space_prefix".into(),
+                Value::Bool(prefix),
+            ));
         }
         kv.extend(chat_template_kvs(&self.dir, self.tcfg.as_ref())?);
         Ok(kv)
@@ -642,7 +655,8 @@ mod tests {
         assert_eq!(detect_pre(&qwen).unwrap(), "qwen2");
         let gpt2 = serde_json::json!({"pre_tokenizer": {"type": "ByteLevel", "use_regex": true}});
         assert_eq!(detect_pre(&gpt2).unwrap(), "gpt-2");
-        let odd = serde_json::json!({"pre_tokenizer": {"type": "Split", "pattern": {"Regex": "x+"}}});
+        let odd =
+            serde_json::json!({"pre_tokenizer": {"type": "Split", "pattern": {"Regex": "x+"}}});
         let e = detect_pre(&odd).unwrap_err().to_string();
         assert!(e.contains("x+"), "{e}");
     }

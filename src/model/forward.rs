@@ -2,7 +2,10 @@
 //! readable top to bottom and the same for every backend. Prefill, decode, batched decode and
 //! speculative verification are all this one call. Invariants: every entry's position has a KV block
 //! in its block table; entries of one sequence may appear in any number, and each sees the keys at
-//! positions up to its own (those written by this very batch included).
+//! positions up to its own (those written by this very batch included). As llama.cpp does, the last
+//! layer keeps only the rows that want logits once its attention output is projected (`inp_out_ids`):
+//! the rest of that layer then runs on fewer rows, which selects the same (row-count dependent)
+//! matmul kernels as llama.cpp.
 
 use anyhow::{bail, Result};
 
@@ -61,6 +64,7 @@ impl<B: Backend> Model<B> {
         let mut v = be.act(n, kvd);
         let mut attn = be.act(n, qd);
         let mut o = be.act(n, d);
+        let want: Vec<usize> = (0..n).filter(|&i| batch[i].logits).collect();
         let mut gate = be.act(n, ff); // (n, n_ff)
         let mut up = be.act(n, ff);
 
@@ -106,6 +110,17 @@ impl<B: Backend> Model<B> {
             };
             be.attention(&q, kv, il, &queries, shape, &mut attn);
             be.matmul(&lw.wo, &attn, None, &mut o);
+            if il + 1 == cfg.n_layer && want.len() < n {
+                // Only the rows that want logits go on (llama.cpp's `inp_out_ids`).
+                if want.is_empty() {
+                    return Ok(Vec::new());
+                }
+                o = be.gather_rows(&o, &want);
+                x = be.gather_rows(&x, &want);
+                h = be.act(want.len(), d);
+                gate = be.act(want.len(), ff);
+                up = be.act(want.len(), ff);
+            }
             if let Some(pn) = &lw.post_attn_norm {
                 be.rms_norm_inplace(&mut o, pn, cfg.norm_eps);
             }
@@ -123,18 +138,12 @@ impl<B: Backend> Model<B> {
             be.add(&mut x, &o);
         }
 
-        // output head, only for the rows that want logits
-        let want: Vec<usize> = (0..n).filter(|&i| batch[i].logits).collect();
+        // output head: x holds only the rows that want logits now
         if want.is_empty() {
             return Ok(Vec::new());
         }
-        let xs = if want.len() == n {
-            x
-        } else {
-            be.gather_rows(&x, &want)
-        };
         let mut hs = be.act(want.len(), d);
-        be.rms_norm(&xs, &w.output_norm, cfg.norm_eps, &mut hs);
+        be.rms_norm(&x, &w.output_norm, cfg.norm_eps, &mut hs);
         let mut logits = be.act(want.len(), cfg.vocab_size);
         be.matmul(
             w.output.as_ref().unwrap_or(&w.token_embd),

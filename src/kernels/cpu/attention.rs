@@ -1,13 +1,44 @@
-//! CPU attention over the paged f16 KV cache. Each (query row, head) pair is one unit of work split
-//! across the pool; a head reads the K/V rows of its KV group straight from the pages. The query is
-//! rounded to f16 before the dot with the f16 keys, as ggml's CPU flash attention does.
+//! CPU attention over the paged f16 KV cache, reproducing llama.cpp's CPU flash attention
+//! (`ggml_compute_forward_flash_attn_ext_f16`, on by default: `-fa auto` resolves to enabled on the
+//! CPU backend) bit for bit. ggml picks one of three kernels per graph, and so does this module:
+//!
+//! - **tiled** (the forward holds at least [`FA_TILE_Q`] = 64 query rows, i.e. a prompt ubatch of
+//!   64+ tokens): Q stays f32; keys are visited in tiles of 64 cells aligned to cell 0; within a
+//!   tile each score is one FMA chain over the head dimension, scaled; the tile's softmax uses
+//!   ggml's vectorised `ggml_v_expf` and sums the probabilities in f64 per vector of 8 (AVX2) or 16
+//!   (AVX-512) lanes; V is accumulated in f32 with one FMA chain per output element.
+//! - **one_chunk** (fewer rows, e.g. a short prompt or a decode step over fewer than 512 cells):
+//!   Q is rounded to f16, each score is `ggml_vec_dot_f16` (its SIMD summation order), the online
+//!   softmax uses libm `expf`, and the V accumulator is f16, rounded after every multiply-add.
+//! - **split-KV** (exactly one query row and at least 512 KV cells): the cells are cut into one
+//!   chunk per llama.cpp thread, each chunk runs one_chunk, and the partial results are merged.
+//!
+//! The KV length llama.cpp attends over (`n_kv`) is the used cells padded to 256; with one
+//! sequence cell `p` holds position `p`, so keys are visited in position order. Masked cells
+//! (outside the causal or sliding window) are skipped, as ggml skips `-inf` mask entries. Limits:
+//! llama.cpp's sliding-window cache is a 1024-cell ring, so past 1024 positions its visiting order on
+//! sliding-window layers differs from the one used here; several sequences in one batch are each
+//! computed as if alone.
+//!
+//! Each (query row, head) pair is one unit of work split across the pool; a head reads the K/V
+//! rows of its KV group straight from the pages.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use crate::kernels::cpu::backend::{CpuAct, CpuKv};
+use crate::kernels::cpu::ops::{ggml_isa, v_expf, GgmlIsa};
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::model::backend::{AttnQuery, AttnShape};
+
+/// Query rows from which ggml uses the tiled kernel (`GGML_FA_TILE_Q`).
+pub const FA_TILE_Q: usize = 64;
+/// KV cells per tile of the tiled kernel (`GGML_FA_TILE_KV`).
+const FA_TILE_KV: usize = 64;
+/// llama.cpp pads the attended KV length to a multiple of this.
+const KV_PAD: usize = 256;
+/// Minimum KV length of ggml's split-KV decode kernel.
+const SPLIT_KV_MIN: usize = 512;
 
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);
@@ -15,6 +46,107 @@ struct SharedOut(*mut f32);
 // all threads before the output is read.
 unsafe impl Sync for SharedOut {}
 unsafe impl Send for SharedOut {}
+
+/// The number of threads llama.cpp uses by default (`common_cpu_get_num_math`: the physical cores,
+/// counted as distinct `thread_siblings` sets), which decides how ggml splits long decode
+/// attention. [`set_llamacpp_threads`] or `INFER_LLAMACPP_THREADS` override it (to mirror
+/// `llama-cli -t N`).
+pub fn llamacpp_threads() -> usize {
+    use std::sync::atomic::Ordering;
+    use std::sync::OnceLock;
+    static DEFAULT: OnceLock<usize> = OnceLock::new();
+    match THREADS.load(Ordering::Relaxed) {
+        0 => *DEFAULT.get_or_init(default_threads),
+        n => n,
+    }
+}
+
+/// Makes the split-KV decode kernel cut the KV cells as llama.cpp running `n` threads does.
+pub fn set_llamacpp_threads(n: usize) {
+    THREADS.store(n.max(1), std::sync::atomic::Ordering::Relaxed);
+}
+
+static THREADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn default_threads() -> usize {
+    if let Some(n) = std::env::var("INFER_LLAMACPP_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+    {
+        return n;
+    }
+    let mut siblings = std::collections::HashSet::new();
+    for cpu in 0.. {
+        let path = format!("/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings");
+        match std::fs::read_to_string(path) {
+            Ok(s) => {
+                siblings.insert(s.lines().next().unwrap_or("").to_string());
+            }
+            Err(_) => break,
+        }
+    }
+    if !siblings.is_empty() {
+        return siblings.len();
+    }
+    let n = std::thread::available_parallelism().map_or(4, |n| n.get());
+    if n <= 4 {
+        n
+    } else {
+        n / 2
+    }
+}
+
+/// Which ggml kernel a forward call's attention runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Path {
+    OneChunk,
+    Tiled,
+    /// Split-KV decode: `chunk` cells per part, `n_kv` cells in all.
+    Split { chunk: usize, n_kv: usize },
+}
+
+/// One sequence's K and V rows of one layer, widened to f32 (exact) once per call, position-major.
+struct SeqKv {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl SeqKv {
+    /// Widens positions `0..n` of the sequence whose blocks are `table`.
+    fn new(kv: &CpuKv, layer: usize, table: &[u32], n: usize) -> SeqKv {
+        let (bs, kvd) = (kv.block_size, kv.kv_dim);
+        let mut k = vec![0f32; n * kvd];
+        let mut v = vec![0f32; n * kvd];
+        for p in 0..n {
+            let slot = (table[p / bs] as usize * bs + p % bs) * kvd;
+            kv.k[layer][slot..slot + kvd].convert_to_f32_slice(&mut k[p * kvd..(p + 1) * kvd]);
+            kv.v[layer][slot..slot + kvd].convert_to_f32_slice(&mut v[p * kvd..(p + 1) * kvd]);
+        }
+        SeqKv { k, v }
+    }
+}
+
+/// Read access to one KV head's rows of a [`SeqKv`].
+struct Heads<'a> {
+    seq: &'a SeqKv,
+    kvd: usize,
+    off: usize,
+    hd: usize,
+}
+
+impl Heads<'_> {
+    #[inline]
+    fn k(&self, p: usize) -> &[f32] {
+        let s = p * self.kvd + self.off;
+        &self.seq.k[s..s + self.hd]
+    }
+    #[inline]
+    fn v(&self, p: usize) -> &[f32] {
+        let s = p * self.kvd + self.off;
+        &self.seq.v[s..s + self.hd]
+    }
+}
 
 pub fn attention(
     pool: &ThreadPool,
@@ -27,131 +159,429 @@ pub fn attention(
 ) {
     let hd = shape.head_dim;
     let group = shape.n_head / shape.n_head_kv;
-    let (bs, kvd) = (kv.block_size, kv.kv_dim);
-    let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
+    let isa = ggml_isa();
+    let n_kv = queries
+        .iter()
+        .map(|qa| (qa.pos as usize + 1).div_ceil(KV_PAD) * KV_PAD)
+        .max()
+        .unwrap_or(KV_PAD);
+    let path = if queries.len() >= FA_TILE_Q {
+        Path::Tiled
+    } else if queries.len() == 1 && n_kv >= SPLIT_KV_MIN {
+        Path::Split {
+            chunk: n_kv.div_ceil(llamacpp_threads()),
+            n_kv,
+        }
+    } else {
+        Path::OneChunk
+    };
+    // Widen each sequence's keys and values once (queries of one sequence share a block table).
+    let mut seqs: Vec<(usize, SeqKv)> = Vec::new();
+    let mut seq_of = Vec::with_capacity(queries.len());
+    for qa in queries {
+        let id = qa.block_table.as_ptr() as usize;
+        let idx = match seqs.iter().position(|(t, _)| *t == id) {
+            Some(i) => i,
+            None => {
+                let n = queries
+                    .iter()
+                    .filter(|o| o.block_table.as_ptr() as usize == id)
+                    .map(|o| o.pos as usize + 1)
+                    .max()
+                    .unwrap_or(1);
+                seqs.push((id, SeqKv::new(kv, layer, qa.block_table, n)));
+                seqs.len() - 1
+            }
+        };
+        seq_of.push(idx);
+    }
+    let kvd = kv.kv_dim;
     let out_cols = out.cols;
     let dst = SharedOut(out.data.as_mut_ptr());
     pool.for_range(queries.len() * shape.n_head, 1, |range| {
         let dst = dst;
-        let mut acc16 = vec![f16::ZERO; hd];
-        let dbg32 = std::env::var_os("DBG_F32").is_some();
-        let nofa: Option<usize> = std::env::var("DBG_NOFA").ok().map(|v| v.parse().unwrap());
-        let mut qh = vec![0f32; hd];
-        let mut kf = vec![0f32; hd];
-        let mut acc = vec![0f32; hd];
+        let mut scratch = Scratch::new(hd);
+        let mut res = vec![0f32; hd];
         for unit in range {
             let (i, h) = (unit / shape.n_head, unit % shape.n_head);
-            let kvh = h / group;
             let qa = &queries[i];
-            for (d, &s) in qh.iter_mut().zip(&q.row(i)[h * hd..(h + 1) * hd]) {
-                *d = f16::from_f32(s).to_f32();
-            }
-            // Online softmax with the V accumulator held in f16, as ggml's CPU flash attention
-            // (`flash_attn_ext_f16_one_chunk`) does for an f16 cache.
-            let mut max = f32::NEG_INFINITY;
-            let mut sum = 0f32;
-            let mut sum32 = 0f32; let mut max32 = f32::NEG_INFINITY; let mut acc32 = vec![0f32; hd];
-            acc16.iter_mut().for_each(|a| *a = f16::ZERO);
-            for p in qa.lo..=qa.pos {
-                let p = p as usize;
-                let slot = qa.block_table[p / bs] as usize * bs + p % bs;
-                let off = slot * kvd + kvh * hd;
-                kc[off..off + hd].convert_to_f32_slice(&mut kf);
-                let s = dot_f16_like_ggml(&qh, &kf) * shape.scale;
-                let (mut ms, mut vs) = (1.0f32, 1.0f32);
-                if s > max {
-                    ms = (max - s).exp();
-                    max = s;
-                    for a in acc16.iter_mut() {
-                        *a = f16::from_f32(a.to_f32() * ms);
-                    }
-                } else {
-                    vs = (s - max).exp();
-                }
-                vc[off..off + hd].convert_to_f32_slice(&mut kf);
-                for (a, &v) in acc16.iter_mut().zip(&kf) {
-                    *a = f16::from_f32(v.mul_add(vs, a.to_f32()));
-                }
-                sum = sum * ms + vs;
-                if dbg32 { let (mut ms2, mut vs2) = (1.0f32, 1.0f32); if s > max32 { ms2 = (max32 - s).exp(); max32 = s; acc32.iter_mut().for_each(|a| *a *= ms2); } else { vs2 = (s - max32).exp(); } for (a, &v) in acc32.iter_mut().zip(&kf) { *a += v * vs2; } sum32 = sum32 * ms2 + vs2; }
-            }
-            acc16.convert_to_f32_slice(&mut acc);
-            if dbg32 { acc.copy_from_slice(&acc32); sum = sum32; }
-            if let Some(pad) = nofa {
-                // llama.cpp without flash attention: softmax in f32, probabilities rounded to f16,
-                // then a dot over the (padded) KV length.
-                let n = (qa.pos - qa.lo + 1) as usize;
-                let npad = if pad == 0 { n } else { n.div_ceil(pad) * pad };
-                let mut sc = vec![0f32; n];
-                for (j, p) in (qa.lo..=qa.pos).enumerate() {
-                    let p = p as usize;
-                    let slot = qa.block_table[p / bs] as usize * bs + p % bs;
-                    let off = slot * kvd + kvh * hd;
-                    kc[off..off + hd].convert_to_f32_slice(&mut kf);
-                    sc[j] = dot_f16_like_ggml(&qh, &kf) * shape.scale;
-                }
-                let m = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                let mut tot = 0f64;
-                for v in sc.iter_mut() { *v = (*v - m).exp(); tot += *v as f64; }
-                let inv = (1.0 / tot) as f32;
-                let mut pv = vec![0f32; npad];
-                for j in 0..n { pv[j] = f16::from_f32(sc[j] * inv).to_f32(); }
-                let mut col = vec![0f32; npad];
-                for d in 0..hd {
-                    for (j, p) in (qa.lo..=qa.pos).enumerate() {
-                        let p = p as usize;
-                        let slot = qa.block_table[p / bs] as usize * bs + p % bs;
-                        col[j] = vc[slot * kvd + kvh * hd + d].to_f32();
-                    }
-                    acc[d] = dot_f16_like_ggml(&pv, &col);
-                }
-                sum = 1.0;
-            }
-            let inv = 1.0 / sum;
-            for (d, &a) in acc.iter().enumerate() {
-                // SAFETY: i < out.rows and h * hd + d < out_cols; unit (i, h) is handled by exactly one
-                // thread, so this element is written once.
-                unsafe { *dst.0.add(i * out_cols + h * hd + d) = a * inv };
-            }
+            let heads = Heads {
+                seq: &seqs[seq_of[i]].1,
+                kvd,
+                off: (h / group) * hd,
+                hd,
+            };
+            let qrow = &q.row(i)[h * hd..(h + 1) * hd];
+            let unit = Unit {
+                path,
+                lo: qa.lo as usize,
+                pos: qa.pos as usize,
+                scale: shape.scale,
+                isa,
+            };
+            run_unit(&unit, qrow, &heads, &mut scratch, &mut res);
+            // SAFETY: i < out.rows and (h + 1) * hd <= out_cols; unit (i, h) is handled by exactly
+            // one thread, so this slice is written once.
+            let o = unsafe { std::slice::from_raw_parts_mut(dst.0.add(i * out_cols + h * hd), hd) };
+            o.copy_from_slice(&res);
         }
     });
 }
 
-/// q·k summed as ggml's AVX-512 `ggml_vec_dot_f16` sums: four 16-lane FMA accumulators over steps of
-/// 64, folded pairwise, then the 16 lanes reduced as `_mm512_reduce_add_ps` does; a tail is added in
-/// order. Matching the order keeps scores bit-identical to llama.cpp's.
-fn dot_f16_like_ggml(q: &[f32], k: &[f32]) -> f32 {
-    let n = q.len();
-    let np = n - n % 64;
-    let mut acc = [[0f32; 16]; 4];
-    for i in (0..np).step_by(64) {
-        for (j, a) in acc.iter_mut().enumerate() {
-            let base = i + j * 16;
-            for l in 0..16 {
-                a[l] = q[base + l].mul_add(k[base + l], a[l]);
+/// One (query row, head) problem.
+struct Unit {
+    path: Path,
+    lo: usize,
+    pos: usize,
+    scale: f32,
+    isa: GgmlIsa,
+}
+
+/// Computes one unit into `res`, with hardware FMA where the CPU has it (the results are the same
+/// either way: `mul_add` is exactly rounded; without the feature it is a slow library call).
+fn run_unit(u: &Unit, q: &[f32], heads: &Heads<'_>, scratch: &mut Scratch, res: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has FMA (checked just above).
+        unsafe { run_unit_fma(u, q, heads, scratch, res) };
+        return;
+    }
+    run_unit_impl(u, q, heads, scratch, res);
+}
+
+/// [`run_unit_impl`] compiled with FMA.
+///
+/// # Safety
+/// The CPU supports FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn run_unit_fma(u: &Unit, q: &[f32], heads: &Heads<'_>, scratch: &mut Scratch, res: &mut [f32]) {
+    run_unit_impl(u, q, heads, scratch, res);
+}
+
+#[inline(always)]
+fn run_unit_impl(u: &Unit, q: &[f32], heads: &Heads<'_>, scratch: &mut Scratch, res: &mut [f32]) {
+    let (lo, pos, scale, isa) = (u.lo, u.pos, u.scale, u.isa);
+    match u.path {
+        Path::Tiled => tiled(q, heads, lo, pos, scale, isa, scratch, res),
+        Path::OneChunk => {
+            scratch.set_q16(q);
+            let (_, s) = one_chunk(heads, lo, pos, scale, isa, scratch);
+            let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
+            for (r, &a) in res.iter_mut().zip(&scratch.acc) {
+                *r = a * inv;
+            }
+        }
+        Path::Split { chunk, n_kv } => {
+            scratch.set_q16(q);
+            split_kv(heads, lo, pos, scale, isa, chunk, n_kv, scratch, res)
+        }
+    }
+}
+
+/// Per-thread buffers.
+struct Scratch {
+    /// Q rounded to f16 (one_chunk), widened back to f32.
+    q16: Vec<f32>,
+    /// The f16 V accumulator of one_chunk.
+    acc16: Vec<f16>,
+    /// An f32 accumulator (one_chunk's result, the tiled kernel's V accumulator).
+    acc: Vec<f32>,
+    /// Merged result of the split-KV kernel.
+    merged: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(hd: usize) -> Scratch {
+        Scratch {
+            q16: vec![0.0; hd],
+            acc16: vec![f16::ZERO; hd],
+            acc: vec![0.0; hd],
+            merged: vec![0.0; hd],
+        }
+    }
+
+    fn set_q16(&mut self, q: &[f32]) {
+        for (d, &s) in self.q16.iter_mut().zip(q) {
+            *d = f16::from_f32(s).to_f32();
+        }
+    }
+}
+
+/// `ggml_compute_forward_flash_attn_ext_f16_one_chunk` for one head over the visible positions in
+/// `lo..=hi` (cells = positions), with `scratch.q16` set: leaves the unnormalised V sum in
+/// `scratch.acc` and returns (max score, softmax denominator) — (-inf, 0) if nothing is visible.
+#[inline(always)]
+fn one_chunk(
+    heads: &Heads<'_>,
+    lo: usize,
+    hi: usize,
+    scale: f32,
+    isa: GgmlIsa,
+    scratch: &mut Scratch,
+) -> (f32, f32) {
+    let mut m = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    scratch.acc16.iter_mut().for_each(|a| *a = f16::ZERO);
+    for p in lo..=hi {
+        let s = dot_f16(&scratch.q16, heads.k(p), isa) * scale;
+        let (mut ms, mut vs) = (1.0f32, 1.0f32);
+        if s > m {
+            ms = (m - s).exp();
+            m = s;
+            // ggml_vec_scale_f16
+            for a in scratch.acc16.iter_mut() {
+                *a = f16::from_f32(a.to_f32() * ms);
+            }
+        } else {
+            vs = (s - m).exp();
+        }
+        // ggml_vec_mad_f16: y = f16(fma(x, v, y))
+        for (a, &v) in scratch.acc16.iter_mut().zip(heads.v(p)) {
+            *a = f16::from_f32(v.mul_add(vs, a.to_f32()));
+        }
+        // `S = S*ms + vs`, contracted to one FMA by GCC.
+        sum = sum.mul_add(ms, vs);
+    }
+    scratch.acc16.convert_to_f32_slice(&mut scratch.acc);
+    (m, sum)
+}
+
+/// ggml's split-KV decode: one_chunk per chunk of `chunk` cells of `0..n_kv`, then
+/// `ggml_flash_attn_ext_reduce_partials` (its multiply-adds fused as GCC compiles them).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn split_kv(
+    heads: &Heads<'_>,
+    lo: usize,
+    pos: usize,
+    scale: f32,
+    isa: GgmlIsa,
+    chunk: usize,
+    n_kv: usize,
+    scratch: &mut Scratch,
+    res: &mut [f32],
+) {
+    let mut m_final = f32::NEG_INFINITY;
+    let mut s_final = 0f32;
+    scratch.merged.iter_mut().for_each(|v| *v = 0.0);
+    for c0 in (0..n_kv).step_by(chunk) {
+        let c1 = (c0 + chunk).min(n_kv) - 1;
+        let (a, b) = (lo.max(c0), pos.min(c1));
+        if a > b {
+            continue; // nothing visible: S == 0, skipped by the reduction
+        }
+        let (m_c, s_c) = one_chunk(heads, a, b, scale, isa, scratch);
+        if s_c == 0.0 {
+            continue;
+        }
+        let m_new = m_final.max(m_c);
+        let scale_old = (m_final - m_new).exp();
+        let scale_new = (m_c - m_new).exp();
+        for (f, &v) in scratch.merged.iter_mut().zip(&scratch.acc) {
+            *f = f.mul_add(scale_old, v * scale_new);
+        }
+        s_final = s_final.mul_add(scale_old, s_c * scale_new);
+        m_final = m_new;
+    }
+    let inv = if s_final != 0.0 { 1.0 / s_final } else { 1.0 };
+    for (r, &v) in res.iter_mut().zip(&scratch.merged) {
+        *r = v * inv;
+    }
+}
+
+/// `ggml_compute_forward_flash_attn_ext_tiled` for one query row and head.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn tiled(
+    q: &[f32],
+    heads: &Heads<'_>,
+    lo: usize,
+    pos: usize,
+    scale: f32,
+    isa: GgmlIsa,
+    scratch: &mut Scratch,
+    res: &mut [f32],
+) {
+    let mut m = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    scratch.acc.iter_mut().for_each(|a| *a = 0.0);
+    let mut kq = [f32::NEG_INFINITY; FA_TILE_KV];
+    for t in lo / FA_TILE_KV..=pos / FA_TILE_KV {
+        let base = t * FA_TILE_KV;
+        let (a, b) = (lo.max(base), pos.min(base + FA_TILE_KV - 1));
+        kq.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+        // simd_gemm: one FMA chain over the head dimension per score (eight independent chains at
+        // a time), then the scale.
+        let mut p0 = a;
+        while p0 <= b {
+            let m = (b + 1 - p0).min(8);
+            let mut acc = [0f32; 8];
+            let ks: [&[f32]; 8] = std::array::from_fn(|j| heads.k(p0 + j.min(m - 1)));
+            for (d, &x) in q.iter().enumerate() {
+                for j in 0..8 {
+                    acc[j] = ks[j][d].mul_add(x, acc[j]);
+                }
+            }
+            for j in 0..m {
+                kq[p0 + j - base] = acc[j] * scale;
+            }
+            p0 += m;
+        }
+        let mut tile_max = f32::NEG_INFINITY;
+        for &s in &kq[a - base..=b - base] {
+            tile_max = if tile_max > s { tile_max } else { s };
+        }
+        let m_new = m.max(tile_max);
+        if m_new > m {
+            let ms = (m - m_new).exp();
+            scratch.acc.iter_mut().for_each(|v| *v *= ms);
+            sum *= ms;
+        }
+        m = m_new;
+        sum = (sum as f64 + soft_max(&mut kq, m_new, isa)) as f32;
+        for p in a..=b {
+            let pr = kq[p - base];
+            for (acc, &v) in scratch.acc.iter_mut().zip(heads.v(p)) {
+                *acc = v.mul_add(pr, *acc);
             }
         }
     }
-    for l in 0..16 {
-        acc[0][l] += acc[2][l];
-        acc[1][l] += acc[3][l];
+    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+    for (r, &a) in res.iter_mut().zip(&scratch.acc) {
+        *r = a * inv;
     }
-    for l in 0..16 {
-        acc[0][l] += acc[1][l];
+}
+
+/// `ggml_vec_soft_max_f32` over one tile: `x = v_expf(x - max)` in place, returning the sum in f64
+/// accumulated one vector at a time (each vector reduced in ggml's lane order).
+#[inline(always)]
+fn soft_max(x: &mut [f32; FA_TILE_KV], max: f32, isa: GgmlIsa) -> f64 {
+    for v in x.iter_mut() {
+        *v = v_expf(*v - max, isa);
     }
-    let a = &acc[0];
-    let mut t3 = [0f32; 8];
-    for i in 0..8 {
-        t3[i] = a[i + 8] + a[i];
+    let mut sum = 0f64;
+    match isa {
+        GgmlIsa::Avx2 => {
+            for c in x.chunks_exact(8) {
+                sum += hsum8(c.try_into().expect("8 lanes")) as f64;
+            }
+        }
+        GgmlIsa::Avx512 => {
+            for c in x.chunks_exact(16) {
+                sum += reduce16(c.try_into().expect("16 lanes")) as f64;
+            }
+        }
     }
-    let mut t6 = [0f32; 4];
-    for i in 0..4 {
-        t6[i] = t3[i + 4] + t3[i];
+    sum
+}
+
+/// An AVX `__m256` summed as ggml's `hsum_float_8`: `((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))`.
+#[inline(always)]
+fn hsum8(x: &[f32; 8]) -> f32 {
+    let w: [f32; 4] = std::array::from_fn(|i| x[i + 4] + x[i]);
+    (w[0] + w[2]) + (w[1] + w[3])
+}
+
+/// GCC's `_mm512_reduce_add_ps`: halves folded 16 → 8 → 4, then `(t0+t2) + (t1+t3)`.
+#[inline(always)]
+fn reduce16(x: &[f32; 16]) -> f32 {
+    let t3: [f32; 8] = std::array::from_fn(|i| x[i + 8] + x[i]);
+    let t6: [f32; 4] = std::array::from_fn(|i| t3[i + 4] + t3[i]);
+    (t6[0] + t6[2]) + (t6[1] + t6[3])
+}
+
+/// `ggml_vec_dot_f16` of two f16-valued rows (given widened to f32): per step of 4 vectors, one FMA
+/// accumulator per vector (8 lanes on AVX2, 16 on AVX-512), accumulators folded pairwise, lanes
+/// reduced as that build does; a tail past the last whole step is added in f64, in order.
+#[inline(always)]
+fn dot_f16(x: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
+    let n = x.len();
+    match isa {
+        GgmlIsa::Avx2 => {
+            let np = n - n % 32;
+            let mut acc = [[0f32; 8]; 4];
+            for i in (0..np).step_by(32) {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let b = i + 8 * j;
+                    for l in 0..8 {
+                        a[l] = x[b + l].mul_add(y[b + l], a[l]);
+                    }
+                }
+            }
+            let s: [f32; 8] =
+                std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]));
+            // GGML_F32x8_REDUCE: 128-bit halves added, then two horizontal adds.
+            let t0: [f32; 4] = std::array::from_fn(|i| s[i] + s[i + 4]);
+            let mut sum = ((t0[0] + t0[1]) + (t0[2] + t0[3])) as f64;
+            for i in np..n {
+                sum += (x[i] * y[i]) as f64;
+            }
+            sum as f32
+        }
+        GgmlIsa::Avx512 => {
+            let np = n - n % 64;
+            let mut acc = [[0f32; 16]; 4];
+            for i in (0..np).step_by(64) {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let b = i + 16 * j;
+                    for l in 0..16 {
+                        a[l] = x[b + l].mul_add(y[b + l], a[l]);
+                    }
+                }
+            }
+            let s: [f32; 16] =
+                std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]));
+            let mut sum = reduce16(&s) as f64;
+            for i in np..n {
+                sum += (x[i] * y[i]) as f64;
+            }
+            sum as f32
+        }
     }
-    let t8 = [t6[0] + t6[2], t6[1] + t6[3]];
-    let mut sum = (t8[0] + t8[1]) as f64;
-    for i in np..n {
-        sum += (q[i] * k[i]) as f64;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reductions_follow_ggml_lane_order() {
+        // Values whose sum depends on the order: large cancelling terms and small ones.
+        let x: [f32; 16] = std::array::from_fn(|i| if i % 3 == 0 { 1e8 } else { 1.0 + i as f32 });
+        let mut y = x;
+        y[8] = -1e8;
+        let h = hsum8(&x[..8].try_into().unwrap());
+        let w: Vec<f32> = (0..4).map(|i| x[i + 4] + x[i]).collect();
+        assert_eq!(h, (w[0] + w[2]) + (w[1] + w[3]));
+        let r = reduce16(&y);
+        let t3: Vec<f32> = (0..8).map(|i| y[i + 8] + y[i]).collect();
+        let t6: Vec<f32> = (0..4).map(|i| t3[i + 4] + t3[i]).collect();
+        assert_eq!(r, (t6[0] + t6[2]) + (t6[1] + t6[3]));
     }
-    sum as f32
+
+    #[test]
+    fn dot_f16_matches_plain_sum_on_exact_values() {
+        // Small integers: every order gives the exact result, for both builds and with a tail.
+        let x: Vec<f32> = (0..70).map(|i| (i % 7) as f32 - 3.0).collect();
+        let y: Vec<f32> = (0..70).map(|i| (i % 5) as f32 - 2.0).collect();
+        let want: f32 = x.iter().zip(&y).map(|(a, b)| a * b).sum();
+        assert_eq!(dot_f16(&x, &y, GgmlIsa::Avx2), want);
+        assert_eq!(dot_f16(&x, &y, GgmlIsa::Avx512), want);
+    }
+
+    #[test]
+    fn soft_max_masks_and_sums() {
+        let mut x = [f32::NEG_INFINITY; FA_TILE_KV];
+        x[3] = 0.0;
+        x[40] = -1.0;
+        for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
+            let mut y = x;
+            let s = soft_max(&mut y, 0.0, isa);
+            assert_eq!(y[3], 1.0);
+            assert!((y[40] - (-1f32).exp()).abs() < 1e-6);
+            assert_eq!(y.iter().filter(|&&v| v != 0.0).count(), 2);
+            assert!((s - (1.0 + (-1f64).exp())).abs() < 1e-6);
+        }
+    }
 }

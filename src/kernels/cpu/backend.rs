@@ -203,7 +203,11 @@ impl Backend for CpuBackend {
     }
 
     fn glu(&self, gate: &mut CpuAct, up: &CpuAct, act: Activation) {
-        ops::glu(&mut gate.data, &up.data, act);
+        // Row by row: ggml's vectorised GLU handles each row's tail separately.
+        let c = gate.cols;
+        for (g, u) in gate.data.chunks_exact_mut(c).zip(up.data.chunks_exact(c)) {
+            ops::glu(g, u, act);
+        }
     }
 
     fn kv_write(&self, kv: &mut CpuKv, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[usize]) {

@@ -56,11 +56,12 @@ pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct) {
     // llama.cpp repacks Q4_K matrices whose row count is a multiple of 8 and then multiplies the
     // activation rows in groups of four with `ggml_gemm_q4_K_8x8_q8_K` (one FMA per pair of
     // sub-blocks) and the remaining `n % 4` rows with `ggml_gemv_q4_K_8x8_q8_K` (one per block).
-    let gemm_rows = if w.ty == GgmlType::Q4K && rows % 8 == 0 && n > 3 {
-        n - n % 4
-    } else {
-        0
-    };
+    // Non-repacked k-quants (Q6_K here) with 8+ activation rows go through ggml-cpu's tiled
+    // matmul (`ggml_compute_forward_mul_mat_tiled`): one exact integer sum per block,
+    // `acc = fma(d_w · isum, d_a, acc)`.
+    let repacked = w.ty == GgmlType::Q4K && rows % 8 == 0;
+    let gemm_rows = if repacked && n > 3 { n - n % 4 } else { 0 };
+    let tiled = w.ty == GgmlType::Q6K && n >= 8;
     let wb = w.bytes();
     let rb = w.row_bytes;
     let dst = SharedOut(out.data.as_mut_ptr());
@@ -73,7 +74,9 @@ pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct) {
                 let m = (n - t0).min(TILE);
                 let acts = &xq[t0 * a_bytes..(t0 + m) * a_bytes];
                 if t0 < gemm_rows {
-                    q4k_gemm_tile(cols, wr, acts, a_bytes, m, &mut res);
+                    flavor_tile(Flavor::Q4kGemm, cols, wr, acts, a_bytes, m, &mut res);
+                } else if tiled {
+                    flavor_tile(Flavor::Q6kTiled, cols, wr, acts, a_bytes, m, &mut res);
                 } else {
                     (kern.tile)(cols, wr, acts, a_bytes, m, &mut res);
                 }
@@ -88,44 +91,286 @@ pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct) {
     });
 }
 
-/// One Q4_K weight row times `m` Q8_K activation rows as llama.cpp's repacked
-/// `ggml_gemm_q4_K_8x8_q8_K` computes each output: per block and per pair of sub-blocks `2j, 2j+1`
-/// an exact integer sum `isum = sc[2j]·dot[2j] + sc[2j+1]·dot[2j+1]` and min sum
-/// `imin = m[2j]·bsum[2j] + m[2j+1]·bsum[2j+1]`, accumulated as `acc = fma(isum, d_w·d_a, acc)`,
-/// `accm = fma(imin, dmin_w·d_a, accm)`; the result is `acc - accm`.
-fn q4k_gemm_tile(n: usize, w: &[u8], acts: &[u8], stride: usize, m: usize, out: &mut [f32]) {
-    use crate::quant::blocks::{get_scale_min_k4, Block, BlockQ4K, BlockQ8K};
+/// Float accumulation orders of llama.cpp kernels that differ from the `simd` dot kernels.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Flavor {
+    /// `ggml_gemm_q4_K_8x8_q8_K` (repacked Q4_K, activation rows in groups of four): per block and
+    /// per pair of sub-blocks `2j, 2j+1` an exact `isum = sc[2j]·dot[2j] + sc[2j+1]·dot[2j+1]` and
+    /// `imin = m[2j]·bsum[2j] + m[2j+1]·bsum[2j+1]`, `acc = fma(isum, d_w·d_a, acc)`,
+    /// `accm = fma(imin, dmin_w·d_a, accm)`; the result is `acc - accm`.
+    Q4kGemm,
+    /// ggml-cpu's tiled k-quant matmul for Q6_K: per block the exact `isum = Σ sc·Σ (q-32)·a`,
+    /// `acc = fma(d_w·isum, d_a, acc)`.
+    Q6kTiled,
+}
+
+/// One weight row times `m` activation rows (`stride` bytes apart) in `flavor`'s arithmetic.
+fn flavor_tile(
+    flavor: Flavor,
+    n: usize,
+    w: &[u8],
+    acts: &[u8],
+    stride: usize,
+    m: usize,
+    out: &mut [f32],
+) {
+    use crate::quant::blocks::{Block, BlockQ4K, BlockQ6K, BlockQ8K};
     let nb = n / 256;
-    assert_eq!(w.len(), nb * BlockQ4K::BYTES, "Q4_K weight row length");
+    let wbytes = match flavor {
+        Flavor::Q4kGemm => BlockQ4K::BYTES,
+        Flavor::Q6kTiled => BlockQ6K::BYTES,
+    };
+    assert!(n % 256 == 0 && w.len() == nb * wbytes, "weight row length");
+    assert!(m == 0 || acts.len() >= (m - 1) * stride + nb * BlockQ8K::BYTES);
     for (j, o) in out[..m].iter_mut().enumerate() {
         let a = &acts[j * stride..j * stride + nb * BlockQ8K::BYTES];
+        #[cfg(target_arch = "x86_64")]
+        if simd::current() != simd::Level::Scalar {
+            // SAFETY: a non-scalar level is only selected after AVX2, FMA and F16C were detected;
+            // `w` holds exactly `nb` weight blocks and `a` exactly `nb` Q8_K blocks (asserted
+            // above), which is all the kernels read.
+            *o = unsafe {
+                match flavor {
+                    Flavor::Q4kGemm => x86::q4k_gemm(nb, w.as_ptr(), a.as_ptr()),
+                    Flavor::Q6kTiled => x86::q6k_tiled(nb, w.as_ptr(), a.as_ptr()),
+                }
+            };
+            continue;
+        }
+        *o = match flavor {
+            Flavor::Q4kGemm => q4k_gemm_scalar(nb, w, a),
+            Flavor::Q6kTiled => q6k_tiled_scalar(nb, w, a),
+        };
+    }
+}
+
+/// [`Flavor::Q4kGemm`] for one activation row, scalar.
+fn q4k_gemm_scalar(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    use crate::quant::blocks::{get_scale_min_k4, Block, BlockQ4K, BlockQ8K};
+    let (mut acc, mut accm) = (0f32, 0f32);
+    for b in 0..nb {
+        let x = &w[b * BlockQ4K::BYTES..(b + 1) * BlockQ4K::BYTES];
+        let y = &a[b * BlockQ8K::BYTES..(b + 1) * BlockQ8K::BYTES];
+        let d = half::f16::from_le_bytes([x[0], x[1]]).to_f32();
+        let dmin = half::f16::from_le_bytes([x[2], x[3]]).to_f32();
+        let ad = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+        let scales: &[u8; 12] = x[4..16].try_into().expect("12 scale bytes");
+        let bsum = |k: usize| i16::from_le_bytes([y[260 + 2 * k], y[261 + 2 * k]]) as i32;
+        let (dd, dm) = (d * ad, dmin * ad);
+        for p in 0..4 {
+            let q = &x[16 + 32 * p..48 + 32 * p];
+            let ya = &y[4 + 64 * p..68 + 64 * p];
+            let (mut s0, mut s1) = (0i32, 0i32);
+            for l in 0..32 {
+                s0 += (q[l] & 0xF) as i32 * ya[l] as i8 as i32;
+                s1 += (q[l] >> 4) as i32 * ya[32 + l] as i8 as i32;
+            }
+            let (sc0, m0) = get_scale_min_k4(2 * p, scales);
+            let (sc1, m1) = get_scale_min_k4(2 * p + 1, scales);
+            let isum = sc0 as i32 * s0 + sc1 as i32 * s1;
+            let imin = m0 as i32 * (bsum(4 * p) + bsum(4 * p + 1))
+                + m1 as i32 * (bsum(4 * p + 2) + bsum(4 * p + 3));
+            acc = (isum as f32).mul_add(dd, acc);
+            accm = (imin as f32).mul_add(dm, accm);
+        }
+    }
+    acc - accm
+}
+
+/// [`Flavor::Q6kTiled`] for one activation row, scalar.
+fn q6k_tiled_scalar(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+    use crate::quant::blocks::{Block, BlockQ6K, BlockQ8K};
+    let mut acc = 0f32;
+    for b in 0..nb {
+        let x = &w[b * BlockQ6K::BYTES..(b + 1) * BlockQ6K::BYTES];
+        let y = &a[b * BlockQ8K::BYTES..(b + 1) * BlockQ8K::BYTES];
+        let dw = half::f16::from_le_bytes([x[208], x[209]]).to_f32();
+        let ad = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+        let mut isum = 0i32;
+        for half_ in 0..2 {
+            let (ql, qh) = (&x[64 * half_..], &x[128 + 32 * half_..]);
+            for l in 0..32 {
+                let q = [
+                    (ql[l] & 0xF) | ((qh[l] & 3) << 4),
+                    (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4),
+                    (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                    (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
+                ];
+                for (k, &qk) in q.iter().enumerate() {
+                    let e = 128 * half_ + 32 * k + l;
+                    let sc = x[192 + e / 16] as i8 as i32;
+                    isum += sc * (qk as i32 - 32) * y[4 + e] as i8 as i32;
+                }
+            }
+        }
+        acc = (dw * isum as f32).mul_add(ad, acc);
+    }
+    acc
+}
+
+/// AVX2 versions of the flavors (integer parts as ggml's AVX2 kernels, exact).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn ld(p: *const u8) -> __m256i {
+        _mm256_loadu_si256(p.cast())
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn f16_at(p: *const u8) -> f32 {
+        let h = p.cast::<u16>().read_unaligned();
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum_i32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// The 8 scales and 8 mins of a Q4_K block's packed bytes at `p`.
+    #[inline]
+    unsafe fn scales_mins(p: *const u8) -> ([u8; 8], [u8; 8]) {
+        let mut sc = [0u8; 8];
+        let mut mn = [0u8; 8];
+        let q: &[u8; 12] = &*p.cast::<[u8; 12]>();
+        for j in 0..8 {
+            (sc[j], mn[j]) = crate::quant::blocks::get_scale_min_k4(j, q);
+        }
+        (sc, mn)
+    }
+
+    /// [`super::Flavor::Q4kGemm`] for one activation row.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available; `w` points at `nb` Q4_K blocks and `a` at `nb` Q8_K.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q4k_gemm(nb: usize, w: *const u8, a: *const u8) -> f32 {
+        let m4 = _mm256_set1_epi8(0xF);
         let (mut acc, mut accm) = (0f32, 0f32);
         for b in 0..nb {
-            let x = &w[b * BlockQ4K::BYTES..(b + 1) * BlockQ4K::BYTES];
-            let y = &a[b * BlockQ8K::BYTES..(b + 1) * BlockQ8K::BYTES];
-            let d = half::f16::from_le_bytes([x[0], x[1]]).to_f32();
-            let dmin = half::f16::from_le_bytes([x[2], x[3]]).to_f32();
-            let ad = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
-            let scales: &[u8; 12] = x[4..16].try_into().expect("12 scale bytes");
-            let bsum = |k: usize| i16::from_le_bytes([y[260 + 2 * k], y[261 + 2 * k]]) as i32;
-            let (dd, dm) = (d * ad, dmin * ad);
+            let x = w.add(b * 144);
+            let y = a.add(b * 292);
+            let ad = y.cast::<f32>().read_unaligned();
+            let dd = f16_at(x) * ad;
+            let dm = f16_at(x.add(2)) * ad;
+            let (sc, mn) = scales_mins(x.add(4));
+            let bs = |k: usize| y.add(260 + 2 * k).cast::<i16>().read_unaligned() as i32;
             for p in 0..4 {
-                let q = &x[16 + 32 * p..48 + 32 * p];
-                let ya = &y[4 + 64 * p..68 + 64 * p];
-                let (mut s0, mut s1) = (0i32, 0i32);
-                for l in 0..32 {
-                    s0 += (q[l] & 0xF) as i32 * ya[l] as i8 as i32;
-                    s1 += (q[l] >> 4) as i32 * ya[32 + l] as i8 as i32;
-                }
-                let (sc0, m0) = get_scale_min_k4(2 * p, scales);
-                let (sc1, m1) = get_scale_min_k4(2 * p + 1, scales);
-                let isum = sc0 as i32 * s0 + sc1 as i32 * s1;
-                let imin = m0 as i32 * (bsum(4 * p) + bsum(4 * p + 1))
-                    + m1 as i32 * (bsum(4 * p + 2) + bsum(4 * p + 3));
+                let bits = ld(x.add(16 + 32 * p));
+                let lo = _mm256_and_si256(bits, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+                let p_lo = _mm256_madd_epi16(
+                    _mm256_set1_epi16(sc[2 * p] as i16),
+                    _mm256_maddubs_epi16(lo, ld(y.add(4 + 64 * p))),
+                );
+                let p_hi = _mm256_madd_epi16(
+                    _mm256_set1_epi16(sc[2 * p + 1] as i16),
+                    _mm256_maddubs_epi16(hi, ld(y.add(36 + 64 * p))),
+                );
+                let isum = hsum_i32(_mm256_add_epi32(p_lo, p_hi));
+                let imin = mn[2 * p] as i32 * (bs(4 * p) + bs(4 * p + 1))
+                    + mn[2 * p + 1] as i32 * (bs(4 * p + 2) + bs(4 * p + 3));
                 acc = (isum as f32).mul_add(dd, acc);
                 accm = (imin as f32).mul_add(dm, accm);
             }
         }
-        *o = acc - accm;
+        acc - accm
+    }
+
+    /// [`super::Flavor::Q6kTiled`] for one activation row.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available; `w` points at `nb` Q6_K blocks and `a` at `nb` Q8_K.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q6k_tiled(nb: usize, w: *const u8, a: *const u8) -> f32 {
+        let m3 = _mm256_set1_epi8(3);
+        let m15 = _mm256_set1_epi8(15);
+        let mut acc = 0f32;
+        for b in 0..nb {
+            let x = w.add(b * 210);
+            let y = a.add(b * 292);
+            let scales = _mm_loadu_si128(x.add(192).cast());
+            let mut sumi = _mm256_setzero_si256();
+            for j in 0..2 {
+                let bits1 = ld(x.add(64 * j));
+                let bits2 = ld(x.add(64 * j + 32));
+                let hbits = ld(x.add(128 + 32 * j));
+                let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hbits, m3));
+                let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(hbits, _mm256_set1_epi8(12)));
+                let h2 = _mm256_and_si256(hbits, _mm256_set1_epi8(48));
+                let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(hbits, _mm256_set1_epi8(-64)));
+                let q = [
+                    _mm256_or_si256(_mm256_and_si256(bits1, m15), h0),
+                    _mm256_or_si256(_mm256_and_si256(bits2, m15), h1),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits1), m15), h2),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits2), m15), h3),
+                ];
+                for (k, qk) in q.iter().enumerate() {
+                    let g = (4 * j + k) as i64;
+                    let ctl = _mm_set_epi64x(
+                        (2 * g + 1) * 0x0101_0101_0101_0101,
+                        2 * g * 0x0101_0101_0101_0101,
+                    );
+                    let sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, ctl));
+                    let yk = ld(y.add(4 + 128 * j + 32 * k));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(sc, _mm256_maddubs_epi16(*qk, yk)));
+                }
+            }
+            // Values were taken unsigned (0..64): subtract 32 · Σ scale · bsum, exactly.
+            let sub = _mm256_slli_epi32::<5>(_mm256_madd_epi16(
+                ld(y.add(260)),
+                _mm256_cvtepi8_epi16(scales),
+            ));
+            let isum = hsum_i32(_mm256_sub_epi32(sumi, sub));
+            let ad = y.cast::<f32>().read_unaligned();
+            acc = (f16_at(x.add(208)) * isum as f32).mul_add(ad, acc);
+        }
+        acc
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{quantize_activations, quantize_row};
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                ((s >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 4.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn flavors_simd_equal_scalar() {
+        let n = 1024;
+        let x = data(n, 7);
+        let mut act = Vec::new();
+        quantize_activations(GgmlType::Q4K, &x, &mut act).unwrap();
+        for (ty, flavor) in [(GgmlType::Q4K, Flavor::Q4kGemm), (GgmlType::Q6K, Flavor::Q6kTiled)] {
+            let mut w = Vec::new();
+            quantize_row(ty, &data(n, 11), &mut w).unwrap();
+            let mut out = [0f32; 1];
+            flavor_tile(flavor, n, &w, &act, act.len(), 1, &mut out);
+            let want = match flavor {
+                Flavor::Q4kGemm => q4k_gemm_scalar(n / 256, &w, &act),
+                Flavor::Q6kTiled => q6k_tiled_scalar(n / 256, &w, &act),
+            };
+            assert_eq!(out[0].to_bits(), want.to_bits(), "{flavor:?}");
+            // and close to the reference dot
+            let r = crate::quant::vec_dot(ty, n, &w, &act);
+            assert!((out[0] - r).abs() <= 1e-3 * r.abs().max(1.0), "{flavor:?} {} {r}", out[0]);
+        }
     }
 }

@@ -1,10 +1,138 @@
 //! Element-wise and row-wise CPU operations (RMS norm, RoPE, gated activations), written to follow
-//! ggml's CPU arithmetic step for step (f64 sum of squares in RMS norm, iterative RoPE angles, GELU
-//! through an f16 table) so that greedy output matches llama.cpp token for token.
+//! llama.cpp's CPU arithmetic step for step (f64 sum of squares in RMS norm, iterative RoPE angles
+//! with the multiply-adds GCC fuses, GELU through an f16 table, SiLU through ggml's vectorised
+//! `ggml_v_expf`) so that greedy output matches llama.cpp token for token.
+//!
+//! Some of ggml-cpu's float arithmetic depends on the vector width it was compiled for (`-march=
+//! native`): [`GgmlIsa`] names the two x86 builds this crate mimics, AVX2 and AVX-512, and
+//! [`ggml_isa`] picks the one llama.cpp would be built for on this CPU (overridable with
+//! `INFER_LLAMACPP_ISA=avx2|avx512`, or [`set_ggml_isa`]). It selects the `expf` approximation here
+//! and the summation orders of the attention kernels.
+
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use half::f16;
 
 use crate::model::config::{Activation, RopeStyle};
+
+/// The x86 build of ggml-cpu whose float arithmetic the CPU kernels reproduce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgmlIsa {
+    /// Built with AVX2 + FMA + F16C (8-lane vectors).
+    Avx2,
+    /// Built with AVX-512 F/DQ (16-lane vectors; no AVX512-FP16).
+    Avx512,
+}
+
+static ISA: AtomicU8 = AtomicU8::new(0);
+
+/// The ggml build mimicked: [`set_ggml_isa`] if called, else `INFER_LLAMACPP_ISA` (`avx2` or
+/// `avx512`), else what `GGML_NATIVE` would compile for on this CPU (AVX-512 when AVX512F and
+/// AVX512DQ are available).
+pub fn ggml_isa() -> GgmlIsa {
+    match ISA.load(Ordering::Relaxed) {
+        1 => return GgmlIsa::Avx2,
+        2 => return GgmlIsa::Avx512,
+        _ => {}
+    }
+    let isa = match std::env::var("INFER_LLAMACPP_ISA").ok().as_deref() {
+        Some("avx2") => GgmlIsa::Avx2,
+        Some("avx512") => GgmlIsa::Avx512,
+        _ => detect_isa(),
+    };
+    // A racing first call computes the same value.
+    let _ = ISA.compare_exchange(0, isa_code(isa), Ordering::Relaxed, Ordering::Relaxed);
+    isa
+}
+
+/// Makes every later kernel call mimic `isa` (for tests comparing against a given llama.cpp build).
+pub fn set_ggml_isa(isa: GgmlIsa) {
+    ISA.store(isa_code(isa), Ordering::Relaxed);
+}
+
+fn isa_code(isa: GgmlIsa) -> u8 {
+    match isa {
+        GgmlIsa::Avx2 => 1,
+        GgmlIsa::Avx512 => 2,
+    }
+}
+
+fn detect_isa() -> GgmlIsa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") {
+            return GgmlIsa::Avx512;
+        }
+    }
+    GgmlIsa::Avx2
+}
+
+/// One lane of ggml's `ggml_v_expf` (`vec.h`, adapted from ARM's optimized routines: maximum error
+/// 1.5 ulp, 0 below about -104, +inf above about 88.4) for the chosen build. The AVX2 and AVX-512
+/// versions round differently (`k + k·j` vs `scalef(1 + …, n)`).
+#[inline(always)]
+pub fn v_expf(x: f32, isa: GgmlIsa) -> f32 {
+    const R: f32 = 12_582_912.0; // 0x1.8p23
+    let c = |bits: u32| f32::from_bits(bits);
+    let z = x.mul_add(c(0x3fb8_aa3b), R);
+    let n = z - R;
+    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x));
+    let u = b * b;
+    let poly = c(0x3c07_2010)
+        .mul_add(b, c(0x3d2b_9f17))
+        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)));
+    match isa {
+        GgmlIsa::Avx2 => {
+            let e = z.to_bits() << 23;
+            let k = f32::from_bits(e.wrapping_add(1.0f32.to_bits()));
+            let j = poly.mul_add(u, c(0x3f7f_fff6) * b);
+            if n.abs() <= 126.0 {
+                return j.mul_add(k, k);
+            }
+            let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
+            let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
+            let s2 = f32::from_bits(e.wrapping_sub(g));
+            if n.abs() > 192.0 {
+                s1 * s1
+            } else {
+                s2.mul_add(j, s2) * s1
+            }
+        }
+        GgmlIsa::Avx512 => {
+            if n.abs() > 192.0 {
+                return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+            }
+            let j = poly.mul_add(u, c(0x3f7f_fff6).mul_add(b, 1.0));
+            // _mm512_scalef_ps: j·2^n rounded once (n is an integer here; exact in f64).
+            (j as f64 * 2f64.powi(n as i32)) as f32
+        }
+    }
+}
+
+/// Runs `f` (an `#[inline(always)]` body) compiled with FMA where the CPU has it: results are the
+/// same either way (`mul_add` is exactly rounded), only speed differs (without the target feature
+/// `mul_add` is a library call).
+#[inline(always)]
+fn with_fma<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "fma")]
+        unsafe fn call<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        if is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has FMA (checked just above).
+            return unsafe { call(f) };
+        }
+    }
+    f()
+}
+
+/// ggml's vectorised SiLU: `x / (1 + v_expf(0 - x))`.
+#[inline(always)]
+pub fn silu(x: f32, isa: GgmlIsa) -> f32 {
+    x / (1.0 + v_expf(0.0 - x, isa))
+}
 
 /// y = x / rms(x) * w, over one group of `w.len()` values.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
@@ -32,16 +160,24 @@ pub fn rope_cache(pos: u32, base: f32, head_dim: usize, cache: &mut [f32]) {
     }
 }
 
-/// Rotate one head in place with a cache from `rope_cache`.
+/// Rotate one head in place with a cache from `rope_cache`. The products are fused as GCC compiles
+/// ggml's `rotate_pairs` (`-ffp-contract=fast` with FMA): `x0·cos - x1·sin` is
+/// `fma(x0, cos, -(x1·sin))` and `x0·sin + x1·cos` is `fma(x0, sin, x1·cos)` (checked against
+/// llama.cpp's tensors for NEOX; the NORMAL style is assumed to fuse the same way).
 pub fn rope_head(x: &mut [f32], cache: &[f32], style: RopeStyle) {
+    with_fma(|| rope_head_impl(x, cache, style))
+}
+
+#[inline(always)]
+fn rope_head_impl(x: &mut [f32], cache: &[f32], style: RopeStyle) {
     let d = x.len();
     match style {
         RopeStyle::Normal => {
             for i in (0..d).step_by(2) {
                 let (c, s) = (cache[i], cache[i + 1]);
                 let (x0, x1) = (x[i], x[i + 1]);
-                x[i] = x0 * c - x1 * s;
-                x[i + 1] = x0 * s + x1 * c;
+                x[i] = x0.mul_add(c, -(x1 * s));
+                x[i + 1] = x0.mul_add(s, x1 * c);
             }
         }
         RopeStyle::Neox => {
@@ -50,17 +186,20 @@ pub fn rope_head(x: &mut [f32], cache: &[f32], style: RopeStyle) {
                 let (c, s) = (cache[i], cache[i + 1]);
                 let j = i / 2;
                 let (x0, x1) = (x[j], x[j + half]);
-                x[j] = x0 * c - x1 * s;
-                x[j + half] = x0 * s + x1 * c;
+                x[j] = x0.mul_add(c, -(x1 * s));
+                x[j + half] = x0.mul_add(s, x1 * c);
             }
         }
     }
 }
 
+/// ggml's `ggml_gelu_f32` as GCC compiles it into the table initialisation of `ggml_cpu_init`
+/// (the inner `1 + a·x·x` contracted to `fma(a·x, x, 1)`).
 fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     const COEF_A: f32 = 0.044715;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh())
+    let inner = (COEF_A * x).mul_add(x, 1.0);
+    (0.5 * x) * (1.0 + (SQRT_2_OVER_PI * x * inner).tanh())
 }
 
 /// GELU as ggml's CPU backend computes it: the input rounded to f16, looked up in a table of
@@ -77,9 +216,27 @@ fn gelu_table() -> &'static [f16] {
 
 /// gate = act(gate) * up, element-wise.
 pub fn glu(gate: &mut [f32], up: &[f32], act: Activation) {
+    with_fma(|| glu_impl(gate, up, act))
+}
+
+#[inline(always)]
+fn glu_impl(gate: &mut [f32], up: &[f32], act: Activation) {
     match act {
         Activation::Silu => {
-            for (g, &u) in gate.iter_mut().zip(up) {
+            // `ggml_vec_swiglu_f32`: whole vectors through `ggml_v_silu`, a tail (n not a multiple
+            // of the vector width) through the scalar `ggml_silu_f32` with libm's expf.
+            let isa = ggml_isa();
+            let lanes = match isa {
+                GgmlIsa::Avx2 => 8,
+                GgmlIsa::Avx512 => 16,
+            };
+            let n = gate.len();
+            let (gv, gt) = gate.split_at_mut(n - n % lanes);
+            let (uv, ut) = up.split_at(n - n % lanes);
+            for (g, &u) in gv.iter_mut().zip(uv) {
+                *g = silu(*g, isa) * u;
+            }
+            for (g, &u) in gt.iter_mut().zip(ut) {
                 *g = (*g / (1.0 + (-*g).exp())) * u;
             }
         }
