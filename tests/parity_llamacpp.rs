@@ -3,10 +3,12 @@
 //! engine, driven through the library as `infer run --temp 0` drives it (prompt in one
 //! `Runner::extend`, then one token per step), must generate exactly the same ids.
 //!
-//! The fixtures were made by a CPU llama.cpp built with `GGML_NATIVE=ON` on an AVX2 machine with
-//! 2 threads and default flags (flash attention auto, f16 KV cache, batch 2048 / ubatch 512); each
-//! records that build in its `llamacpp` object, and the test makes the kernels mimic it
-//! (`set_ggml_isa`, `set_llamacpp_threads`) whatever CPU runs the test. They cover short prompts of
+//! Most fixtures were made by a CPU llama.cpp built with `GGML_NATIVE=ON` on an AVX2 machine (this
+//! kind of VM with AVX-512 hidden) with 2 threads and default flags (flash attention auto, f16 KV
+//! cache, batch 2048 / ubatch 512); the two `refs_*_avx512` ones are the reference outputs of the
+//! AVX-512 build (`tests/fixtures/refs`). Each records its build in its `llamacpp` object, and the
+//! test makes the kernels mimic it (`set_ggml_isa`, `set_llamacpp_threads`) whatever CPU runs the
+//! test. They cover short prompts of
 //! many kinds (code, lists, JSON, chat templates, unicode, emoji), the tiled attention kernel
 //! (prompts of 64+ tokens), a prompt longer than one 512-token ubatch, and decoding past 256 and
 //! 512 KV cells (llama.cpp's split-KV decode kernel).
@@ -126,7 +128,11 @@ fn greedy_ids_match_llamacpp() {
             let secs = t0.elapsed().as_secs_f32();
             tokens += got.len();
             if got != f.gen_ids {
-                let at = got.iter().zip(&f.gen_ids).take_while(|(a, b)| a == b).count();
+                let at = got
+                    .iter()
+                    .zip(&f.gen_ids)
+                    .take_while(|(a, b)| a == b)
+                    .count();
                 eprintln!(
                     "{}: diverges at generated token {at}: llama.cpp {:?}, ours {:?}",
                     f.name,
@@ -140,5 +146,8 @@ fn greedy_ids_match_llamacpp() {
         }
     }
     eprintln!("{tokens} generated tokens compared");
-    assert!(failures.is_empty(), "greedy output differs from llama.cpp: {failures:?}");
+    assert!(
+        failures.is_empty(),
+        "greedy output differs from llama.cpp: {failures:?}"
+    );
 }

@@ -34,7 +34,12 @@ pub enum Command {
 #[derive(Args, Debug)]
 pub struct QuantizeArgs {
     /// Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json)
-    #[arg(long, value_name = "DIR", conflicts_with = "input", required_unless_present = "input")]
+    #[arg(
+        long,
+        value_name = "DIR",
+        conflicts_with = "input",
+        required_unless_present = "input"
+    )]
     pub from_hf: Option<PathBuf>,
     /// GGUF file to re-quantize
     #[arg(long = "in", value_name = "FILE")]

@@ -88,7 +88,10 @@ pub fn generate<B: Backend>(
     cancel: &AtomicBool,
     mut on_token: impl FnMut(Option<u32>, &str) -> Result<()>,
 ) -> Result<GenStats> {
-    anyhow::ensure!(!prompt.is_empty(), "the prompt is empty: give at least one token");
+    anyhow::ensure!(
+        !prompt.is_empty(),
+        "the prompt is empty: give at least one token"
+    );
     let t0 = Instant::now();
     let reused = runner.reuse_prefix(seq, prompt);
     let mut logits = runner.compute(seq)?;

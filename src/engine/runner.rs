@@ -35,12 +35,10 @@ impl<B: Backend> Runner<B> {
             bail!("context size must be at least 1");
         }
         let n_blocks = n_ctx.div_ceil(BLOCK_SIZE);
-        let kv = model.backend.alloc_kv(
-            model.cfg.n_layer,
-            n_blocks,
-            BLOCK_SIZE,
-            model.cfg.kv_dim(),
-        )?;
+        let kv =
+            model
+                .backend
+                .alloc_kv(model.cfg.n_layer, n_blocks, BLOCK_SIZE, model.cfg.kv_dim())?;
         Ok(Runner {
             model,
             kv,
@@ -76,7 +74,11 @@ impl<B: Backend> Runner<B> {
     }
 
     /// Positions `want(pos)` get logits; the result is in position order.
-    fn compute_with(&mut self, seq: &mut Sequence, want: impl Fn(usize) -> bool) -> Result<Vec<Vec<f32>>> {
+    fn compute_with(
+        &mut self,
+        seq: &mut Sequence,
+        want: impl Fn(usize) -> bool,
+    ) -> Result<Vec<Vec<f32>>> {
         let (start, end) = (seq.n_cached, seq.tokens.len());
         if start >= end {
             bail!("nothing to compute: every token of the sequence is cached");

@@ -99,7 +99,7 @@ impl ModelConfig {
         let head_dim = g
             .get_u64(&k("attention.key_length"))
             .map(|v| v as usize)
-            .unwrap_or(if n_head > 0 { n_embd / n_head } else { 0 });
+            .unwrap_or(n_embd.checked_div(n_head).unwrap_or(0));
         if let Some(vl) = g.get_u64(&k("attention.value_length")) {
             if vl as usize != head_dim {
                 bail!("value_length {vl} != key_length {head_dim} is not supported");

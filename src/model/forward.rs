@@ -45,10 +45,18 @@ impl<B: Backend> Model<B> {
         for e in batch {
             let b = e.pos as usize / bs;
             let Some(&block) = e.block_table.get(b) else {
-                bail!("position {} has no KV block (table holds {})", e.pos, e.block_table.len());
+                bail!(
+                    "position {} has no KV block (table holds {})",
+                    e.pos,
+                    e.block_table.len()
+                );
             };
             if e.token as usize >= cfg.vocab_size {
-                bail!("token id {} is outside the vocabulary (size {})", e.token, cfg.vocab_size);
+                bail!(
+                    "token id {} is outside the vocabulary (size {})",
+                    e.token,
+                    cfg.vocab_size
+                );
             }
             slots.push(block as usize * bs + e.pos as usize % bs);
         }
@@ -106,7 +114,11 @@ impl<B: Backend> Model<B> {
                 n_head: cfg.n_head,
                 n_head_kv: cfg.n_head_kv,
                 head_dim: cfg.head_dim,
-                scale: if cfg.scale_q_first { 1.0 } else { cfg.attn_scale },
+                scale: if cfg.scale_q_first {
+                    1.0
+                } else {
+                    cfg.attn_scale
+                },
             };
             be.attention(&q, kv, il, &queries, shape, &mut attn);
             be.matmul(&lw.wo, &attn, None, &mut o);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
-use crate::format::{Gguf, GgmlType};
+use crate::format::{GgmlType, Gguf};
 use crate::model::backend::{Backend, WeightSource};
 use crate::model::config::{Arch, ModelConfig};
 
@@ -33,7 +33,7 @@ pub struct Weights<B: Backend> {
     pub token_embd: B::Weight, // (vocab, n_embd)
     /// None when the output head is tied to the embedding table.
     pub output: Option<B::Weight>, // (vocab, n_embd)
-    pub output_norm: B::Vector,    // (n_embd)
+    pub output_norm: B::Vector, // (n_embd)
     pub layers: Vec<LayerWeights<B>>,
 }
 

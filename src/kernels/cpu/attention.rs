@@ -20,8 +20,8 @@
 //! sliding-window layers differs from the one used here; several sequences in one batch are each
 //! computed as if alone.
 //!
-//! Each (query row, head) pair is one unit of work split across the pool; a head reads the K/V
-//! rows of its KV group straight from the pages.
+//! Each call first widens the K/V rows its queries can see to f32 (exact), once per sequence; then
+//! each (query row, head) pair is one unit of work split across the pool.
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -47,10 +47,18 @@ struct SharedOut(*mut f32);
 unsafe impl Sync for SharedOut {}
 unsafe impl Send for SharedOut {}
 
-/// The number of threads llama.cpp uses by default (`common_cpu_get_num_math`: the physical cores,
-/// counted as distinct `thread_siblings` sets), which decides how ggml splits long decode
-/// attention. [`set_llamacpp_threads`] or `INFER_LLAMACPP_THREADS` override it (to mirror
-/// `llama-cli -t N`).
+impl SharedOut {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// The thread count of the llama.cpp run being mimicked, which decides how ggml splits long decode
+/// attention (one KV chunk per thread). The reference runs llama.cpp's default on a 2-core machine,
+/// so this is 2 unless [`set_llamacpp_threads`] or `INFER_LLAMACPP_THREADS` says otherwise (`N`,
+/// as with `llama-cli -t N`, or `native`: llama.cpp's default on this machine, its
+/// `common_cpu_get_num_math`, the number of distinct `thread_siblings` sets).
 pub fn llamacpp_threads() -> usize {
     use std::sync::atomic::Ordering;
     use std::sync::OnceLock;
@@ -69,13 +77,20 @@ pub fn set_llamacpp_threads(n: usize) {
 static THREADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 fn default_threads() -> usize {
-    if let Some(n) = std::env::var("INFER_LLAMACPP_THREADS")
+    match std::env::var("INFER_LLAMACPP_THREADS")
         .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|&n| n > 0)
+        .as_deref()
+        .map(str::trim)
     {
-        return n;
+        Some("native") => native_threads(),
+        Some(v) => v.parse::<usize>().ok().filter(|&n| n > 0).unwrap_or(2),
+        None => 2,
     }
+}
+
+/// llama.cpp's default thread count on this machine (`common_cpu_get_num_math` on Linux x86 without
+/// hybrid cores).
+fn native_threads() -> usize {
     let mut siblings = std::collections::HashSet::new();
     for cpu in 0.. {
         let path = format!("/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings");
@@ -103,27 +118,34 @@ enum Path {
     OneChunk,
     Tiled,
     /// Split-KV decode: `chunk` cells per part, `n_kv` cells in all.
-    Split { chunk: usize, n_kv: usize },
+    Split {
+        chunk: usize,
+        n_kv: usize,
+    },
 }
 
-/// One sequence's K and V rows of one layer, widened to f32 (exact) once per call, position-major.
+/// One sequence's K and V rows of one layer for positions `base..base + n`, widened to f32 (exact)
+/// once per call, position-major.
 struct SeqKv {
+    base: usize,
     k: Vec<f32>,
     v: Vec<f32>,
 }
 
 impl SeqKv {
-    /// Widens positions `0..n` of the sequence whose blocks are `table`.
-    fn new(kv: &CpuKv, layer: usize, table: &[u32], n: usize) -> SeqKv {
+    /// Widens positions `lo..=hi` of the sequence whose blocks are `table`.
+    fn new(kv: &CpuKv, layer: usize, table: &[u32], lo: usize, hi: usize) -> SeqKv {
         let (bs, kvd) = (kv.block_size, kv.kv_dim);
+        let n = hi + 1 - lo;
         let mut k = vec![0f32; n * kvd];
         let mut v = vec![0f32; n * kvd];
-        for p in 0..n {
+        for (i, p) in (lo..=hi).enumerate() {
             let slot = (table[p / bs] as usize * bs + p % bs) * kvd;
-            kv.k[layer][slot..slot + kvd].convert_to_f32_slice(&mut k[p * kvd..(p + 1) * kvd]);
-            kv.v[layer][slot..slot + kvd].convert_to_f32_slice(&mut v[p * kvd..(p + 1) * kvd]);
+            let dst = i * kvd..(i + 1) * kvd;
+            kv.k[layer][slot..slot + kvd].convert_to_f32_slice(&mut k[dst.clone()]);
+            kv.v[layer][slot..slot + kvd].convert_to_f32_slice(&mut v[dst]);
         }
-        SeqKv { k, v }
+        SeqKv { base: lo, k, v }
     }
 }
 
@@ -138,16 +160,19 @@ struct Heads<'a> {
 impl Heads<'_> {
     #[inline]
     fn k(&self, p: usize) -> &[f32] {
-        let s = p * self.kvd + self.off;
+        let s = (p - self.seq.base) * self.kvd + self.off;
         &self.seq.k[s..s + self.hd]
     }
     #[inline]
     fn v(&self, p: usize) -> &[f32] {
-        let s = p * self.kvd + self.off;
+        let s = (p - self.seq.base) * self.kvd + self.off;
         &self.seq.v[s..s + self.hd]
     }
 }
 
+/// Causal attention of each query row (`q`: rows × n_head·head_dim, already rotated and, for
+/// gemma, scaled) over its sequence's cached keys `lo..=pos`, written to `out` (same shape), with
+/// the kernel llama.cpp would use for a forward of `queries.len()` rows.
 pub fn attention(
     pool: &ThreadPool,
     q: &CpuAct,
@@ -183,13 +208,14 @@ pub fn attention(
         let idx = match seqs.iter().position(|(t, _)| *t == id) {
             Some(i) => i,
             None => {
-                let n = queries
-                    .iter()
-                    .filter(|o| o.block_table.as_ptr() as usize == id)
-                    .map(|o| o.pos as usize + 1)
-                    .max()
-                    .unwrap_or(1);
-                seqs.push((id, SeqKv::new(kv, layer, qa.block_table, n)));
+                let same = || {
+                    queries
+                        .iter()
+                        .filter(|o| o.block_table.as_ptr() as usize == id)
+                };
+                let lo = same().map(|o| o.lo as usize).min().unwrap_or(0);
+                let hi = same().map(|o| o.pos as usize).max().unwrap_or(0);
+                seqs.push((id, SeqKv::new(kv, layer, qa.block_table, lo, hi)));
                 seqs.len() - 1
             }
         };
@@ -199,7 +225,6 @@ pub fn attention(
     let out_cols = out.cols;
     let dst = SharedOut(out.data.as_mut_ptr());
     pool.for_range(queries.len() * shape.n_head, 1, |range| {
-        let dst = dst;
         let mut scratch = Scratch::new(hd);
         let mut res = vec![0f32; hd];
         for unit in range {
@@ -222,7 +247,8 @@ pub fn attention(
             run_unit(&unit, qrow, &heads, &mut scratch, &mut res);
             // SAFETY: i < out.rows and (h + 1) * hd <= out_cols; unit (i, h) is handled by exactly
             // one thread, so this slice is written once.
-            let o = unsafe { std::slice::from_raw_parts_mut(dst.0.add(i * out_cols + h * hd), hd) };
+            let o =
+                unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(i * out_cols + h * hd), hd) };
             o.copy_from_slice(&res);
         }
     });
@@ -255,7 +281,13 @@ fn run_unit(u: &Unit, q: &[f32], heads: &Heads<'_>, scratch: &mut Scratch, res: 
 /// The CPU supports FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fma")]
-unsafe fn run_unit_fma(u: &Unit, q: &[f32], heads: &Heads<'_>, scratch: &mut Scratch, res: &mut [f32]) {
+unsafe fn run_unit_fma(
+    u: &Unit,
+    q: &[f32],
+    heads: &Heads<'_>,
+    scratch: &mut Scratch,
+    res: &mut [f32],
+) {
     run_unit_impl(u, q, heads, scratch, res);
 }
 

@@ -160,7 +160,11 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &CpuAct, w: &Vec<f32>, eps: f32, out: &mut CpuAct) {
-        for (xs, ys) in x.data.chunks_exact(w.len()).zip(out.data.chunks_exact_mut(w.len())) {
+        for (xs, ys) in x
+            .data
+            .chunks_exact(w.len())
+            .zip(out.data.chunks_exact_mut(w.len()))
+        {
             ops::rms_norm(xs, w, eps, ys);
         }
     }

@@ -1,13 +1,24 @@
-//! Quantized matrix multiplication on the CPU, reproducing what llama.cpp's x86 CPU backend computes
-//! for the same weights: the activations are quantized once per call to the weight type's
-//! dot-product format with ggml-cpu's x86 quantizer (`quantize_row_q8_0`: `id = 127/amax`, round
-//! half to even; Q8_K has a single quantizer in ggml), then every output element is the dot product
-//! of one stored weight row with one activation row. The dot kernels (`simd`) follow, float
-//! operation for float operation, the x86 kernel llama.cpp runs for that type (the repacked
-//! `gemv/gemm_q4_K_8x8_q8_K` for Q4_K, `ggml_vec_dot_*` / tinyBLAS for the others, which agree per
-//! element), so results are bit-identical to llama.cpp's; without AVX2 the scalar reference
-//! (ggml's generic C) is used. Weights are never dequantized to memory. Output rows are split
-//! across the thread pool; each thread writes a disjoint set of output elements.
+//! Quantized matrix multiplication on the CPU, reproducing bit for bit what llama.cpp's x86 CPU
+//! backend computes for the same weights: the activations are quantized once per call to the weight
+//! type's dot-product format with ggml-cpu's x86 quantizer (`quantize_row_q8_0`: `id = 127/amax`,
+//! round half to even; Q8_K has a single quantizer in ggml), then every output element is the dot
+//! product of one stored weight row with one activation row, its float accumulation following the
+//! kernel llama.cpp picks — which depends on the number `n` of activation rows in the call:
+//!
+//! - Q4_K with a multiple of 8 rows (llama.cpp repacks those, "CPU_REPACK"): rows in groups of four
+//!   through `ggml_gemm_q4_K_8x8_q8_K` (`Flavor::Q4kGemm`), the last `n % 4` (all of them when
+//!   `n < 4`) through `ggml_gemv_q4_K_8x8_q8_K` (the `simd` Q4_K kernel);
+//! - Q6_K with `n >= 8`: ggml-cpu's tiled k-quant matmul (`Flavor::Q6kTiled`); with `n < 8`:
+//!   `ggml_vec_dot_q6_K_q8_K` (`simd`);
+//! - Q5_0 / Q8_0: tinyBLAS for `n >= 2`, `ggml_vec_dot_*` for `n == 1`, which agree per element
+//!   (`simd`).
+//!
+//! So a result depends on how many rows are multiplied together: greedy parity with llama.cpp
+//! holds when the engine batches tokens as llama.cpp does (whole prompt ubatches, then one token
+//! per step). Other weight types use the `simd` kernels as they are (not checked against llama.cpp);
+//! without AVX2 the scalar reference (ggml's generic C) is used. Weights are never dequantized to
+//! memory. Output rows are split across the thread pool; each thread writes a disjoint set of
+//! output elements.
 
 use crate::format::GgmlType;
 use crate::kernels::cpu::backend::{CpuAct, CpuWeight};
@@ -31,6 +42,13 @@ struct SharedOut(*mut f32);
 // all threads before the buffer is used again.
 unsafe impl Sync for SharedOut {}
 unsafe impl Send for SharedOut {}
+
+impl SharedOut {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
 
 /// Activation rows per tile call (the kernels take up to four rows at once).
 const TILE: usize = 4;
@@ -66,7 +84,6 @@ pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct) {
     let rb = w.row_bytes;
     let dst = SharedOut(out.data.as_mut_ptr());
     pool.for_range(rows, 16, |range| {
-        let dst = dst;
         let mut res = [0f32; TILE];
         for r in range {
             let wr = &wb[r * rb..(r + 1) * rb];
@@ -84,7 +101,7 @@ pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct) {
                     // SAFETY: r < rows and t0 + j < n, so (t0 + j) * rows + r is inside out.data
                     // (n * rows); row r belongs to exactly one thread's range, so no two threads
                     // write the same element.
-                    unsafe { *dst.0.add((t0 + j) * rows + r) = v };
+                    unsafe { *dst.ptr().add((t0 + j) * rows + r) = v };
                 }
             }
         }
@@ -122,21 +139,26 @@ fn flavor_tile(
     };
     assert!(n % 256 == 0 && w.len() == nb * wbytes, "weight row length");
     assert!(m == 0 || acts.len() >= (m - 1) * stride + nb * BlockQ8K::BYTES);
+    assert!(m <= 4 && out.len() >= m, "at most four rows per call");
+    #[cfg(target_arch = "x86_64")]
+    if simd::current() != simd::Level::Scalar {
+        // SAFETY: a non-scalar level is only selected after AVX2, FMA and F16C were detected;
+        // `w` holds exactly `nb` weight blocks and each of the `m` activation rows `nb` Q8_K
+        // blocks (asserted above), which is all the kernels read; `out` has `m` slots.
+        unsafe {
+            match flavor {
+                Flavor::Q4kGemm => x86::q4k_gemm(nb, w.as_ptr(), acts.as_ptr(), stride, m, out),
+                Flavor::Q6kTiled => {
+                    for (j, o) in out[..m].iter_mut().enumerate() {
+                        *o = x86::q6k_tiled(nb, w.as_ptr(), acts.as_ptr().add(j * stride));
+                    }
+                }
+            }
+        }
+        return;
+    }
     for (j, o) in out[..m].iter_mut().enumerate() {
         let a = &acts[j * stride..j * stride + nb * BlockQ8K::BYTES];
-        #[cfg(target_arch = "x86_64")]
-        if simd::current() != simd::Level::Scalar {
-            // SAFETY: a non-scalar level is only selected after AVX2, FMA and F16C were detected;
-            // `w` holds exactly `nb` weight blocks and `a` exactly `nb` Q8_K blocks (asserted
-            // above), which is all the kernels read.
-            *o = unsafe {
-                match flavor {
-                    Flavor::Q4kGemm => x86::q4k_gemm(nb, w.as_ptr(), a.as_ptr()),
-                    Flavor::Q6kTiled => x86::q6k_tiled(nb, w.as_ptr(), a.as_ptr()),
-                }
-            };
-            continue;
-        }
         *o = match flavor {
             Flavor::Q4kGemm => q4k_gemm_scalar(nb, w, a),
             Flavor::Q6kTiled => q6k_tiled_scalar(nb, w, a),
@@ -247,42 +269,68 @@ mod x86 {
         (sc, mn)
     }
 
-    /// [`super::Flavor::Q4kGemm`] for one activation row.
+    /// [`super::Flavor::Q4kGemm`] for `m` (1..=4) activation rows `stride` bytes apart.
     ///
     /// # Safety
-    /// AVX2, FMA and F16C are available; `w` points at `nb` Q4_K blocks and `a` at `nb` Q8_K.
+    /// AVX2, FMA and F16C are available; `w` points at `nb` Q4_K blocks and `a + r * stride`
+    /// (r < m) at `nb` Q8_K blocks; `out` has `m` slots.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn q4k_gemm(nb: usize, w: *const u8, a: *const u8) -> f32 {
+    pub(super) unsafe fn q4k_gemm(
+        nb: usize,
+        w: *const u8,
+        a: *const u8,
+        stride: usize,
+        m: usize,
+        out: &mut [f32],
+    ) {
         let m4 = _mm256_set1_epi8(0xF);
-        let (mut acc, mut accm) = (0f32, 0f32);
+        let mut acc = [0f32; 4];
+        let mut accm = [0f32; 4];
         for b in 0..nb {
             let x = w.add(b * 144);
-            let y = a.add(b * 292);
-            let ad = y.cast::<f32>().read_unaligned();
-            let dd = f16_at(x) * ad;
-            let dm = f16_at(x.add(2)) * ad;
             let (sc, mn) = scales_mins(x.add(4));
-            let bs = |k: usize| y.add(260 + 2 * k).cast::<i16>().read_unaligned() as i32;
+            let (dw, dminw) = (f16_at(x), f16_at(x.add(2)));
+            let mut lo = [_mm256_setzero_si256(); 4];
+            let mut hi = [_mm256_setzero_si256(); 4];
             for p in 0..4 {
                 let bits = ld(x.add(16 + 32 * p));
-                let lo = _mm256_and_si256(bits, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
-                let p_lo = _mm256_madd_epi16(
-                    _mm256_set1_epi16(sc[2 * p] as i16),
-                    _mm256_maddubs_epi16(lo, ld(y.add(4 + 64 * p))),
-                );
-                let p_hi = _mm256_madd_epi16(
-                    _mm256_set1_epi16(sc[2 * p + 1] as i16),
-                    _mm256_maddubs_epi16(hi, ld(y.add(36 + 64 * p))),
-                );
-                let isum = hsum_i32(_mm256_add_epi32(p_lo, p_hi));
-                let imin = mn[2 * p] as i32 * (bs(4 * p) + bs(4 * p + 1))
-                    + mn[2 * p + 1] as i32 * (bs(4 * p + 2) + bs(4 * p + 3));
-                acc = (isum as f32).mul_add(dd, acc);
-                accm = (imin as f32).mul_add(dm, accm);
+                lo[p] = _mm256_and_si256(bits, m4);
+                hi[p] = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
+            }
+            for r in 0..m {
+                let y = a.add(r * stride + b * 292);
+                let ad = y.cast::<f32>().read_unaligned();
+                let (dd, dm) = (dw * ad, dminw * ad);
+                let mut v = [_mm256_setzero_si256(); 4];
+                for p in 0..4 {
+                    let p_lo = _mm256_madd_epi16(
+                        _mm256_set1_epi16(sc[2 * p] as i16),
+                        _mm256_maddubs_epi16(lo[p], ld(y.add(4 + 64 * p))),
+                    );
+                    let p_hi = _mm256_madd_epi16(
+                        _mm256_set1_epi16(sc[2 * p + 1] as i16),
+                        _mm256_maddubs_epi16(hi[p], ld(y.add(36 + 64 * p))),
+                    );
+                    v[p] = _mm256_add_epi32(p_lo, p_hi);
+                }
+                // The four per-pair sums at once (exact integers).
+                let h =
+                    _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                let s4 = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+                let mut isum = [0i32; 4];
+                _mm_storeu_si128(isum.as_mut_ptr().cast(), s4);
+                let bs = |k: usize| y.add(260 + 2 * k).cast::<i16>().read_unaligned() as i32;
+                for p in 0..4 {
+                    let imin = mn[2 * p] as i32 * (bs(4 * p) + bs(4 * p + 1))
+                        + mn[2 * p + 1] as i32 * (bs(4 * p + 2) + bs(4 * p + 3));
+                    acc[r] = (isum[p] as f32).mul_add(dd, acc[r]);
+                    accm[r] = (imin as f32).mul_add(dm, accm[r]);
+                }
             }
         }
-        acc - accm
+        for r in 0..m {
+            out[r] = acc[r] - accm[r];
+        }
     }
 
     /// [`super::Flavor::Q6kTiled`] for one activation row.
@@ -321,7 +369,10 @@ mod x86 {
                     );
                     let sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, ctl));
                     let yk = ld(y.add(4 + 128 * j + 32 * k));
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(sc, _mm256_maddubs_epi16(*qk, yk)));
+                    sumi = _mm256_add_epi32(
+                        sumi,
+                        _mm256_madd_epi16(sc, _mm256_maddubs_epi16(*qk, yk)),
+                    );
                 }
             }
             // Values were taken unsigned (0..64): subtract 32 · Σ scale · bsum, exactly.
@@ -358,11 +409,22 @@ mod tests {
         let x = data(n, 7);
         let mut act = Vec::new();
         quantize_activations(GgmlType::Q4K, &x, &mut act).unwrap();
-        for (ty, flavor) in [(GgmlType::Q4K, Flavor::Q4kGemm), (GgmlType::Q6K, Flavor::Q6kTiled)] {
+        for (ty, flavor) in [
+            (GgmlType::Q4K, Flavor::Q4kGemm),
+            (GgmlType::Q6K, Flavor::Q6kTiled),
+        ] {
             let mut w = Vec::new();
             quantize_row(ty, &data(n, 11), &mut w).unwrap();
+            // Three activation rows in one call give the same result per row.
+            let acts = [act.clone(), act.clone(), act.clone()].concat();
+            let mut three = [0f32; 3];
+            flavor_tile(flavor, n, &w, &acts, act.len(), 3, &mut three);
             let mut out = [0f32; 1];
             flavor_tile(flavor, n, &w, &act, act.len(), 1, &mut out);
+            assert!(
+                three.iter().all(|v| v.to_bits() == out[0].to_bits()),
+                "{flavor:?}"
+            );
             let want = match flavor {
                 Flavor::Q4kGemm => q4k_gemm_scalar(n / 256, &w, &act),
                 Flavor::Q6kTiled => q6k_tiled_scalar(n / 256, &w, &act),
@@ -370,7 +432,11 @@ mod tests {
             assert_eq!(out[0].to_bits(), want.to_bits(), "{flavor:?}");
             // and close to the reference dot
             let r = crate::quant::vec_dot(ty, n, &w, &act);
-            assert!((out[0] - r).abs() <= 1e-3 * r.abs().max(1.0), "{flavor:?} {} {r}", out[0]);
+            assert!(
+                (out[0] - r).abs() <= 1e-3 * r.abs().max(1.0),
+                "{flavor:?} {} {r}",
+                out[0]
+            );
         }
     }
 }

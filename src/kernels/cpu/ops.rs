@@ -4,10 +4,13 @@
 //! `ggml_v_expf`) so that greedy output matches llama.cpp token for token.
 //!
 //! Some of ggml-cpu's float arithmetic depends on the vector width it was compiled for (`-march=
-//! native`): [`GgmlIsa`] names the two x86 builds this crate mimics, AVX2 and AVX-512, and
-//! [`ggml_isa`] picks the one llama.cpp would be built for on this CPU (overridable with
-//! `INFER_LLAMACPP_ISA=avx2|avx512`, or [`set_ggml_isa`]). It selects the `expf` approximation here
-//! and the summation orders of the attention kernels.
+//! native`): [`GgmlIsa`] names the two x86 builds this crate mimics, AVX2 and AVX-512. It selects
+//! the `expf` approximation here and the summation orders of the attention kernels (the quantized
+//! matmuls are the same in both builds). The reference this project matches is llama.cpp built on
+//! a 2-core AVX-512 (VNNI/BF16) machine, so [`ggml_isa`] mimics the AVX-512 build by default,
+//! whatever CPU runs the engine; `INFER_LLAMACPP_ISA=avx2` mimics a build for an AVX2-only CPU,
+//! `INFER_LLAMACPP_ISA=native` the build `GGML_NATIVE` would make on this CPU ([`set_ggml_isa`]
+//! sets it from code).
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -26,9 +29,9 @@ pub enum GgmlIsa {
 
 static ISA: AtomicU8 = AtomicU8::new(0);
 
-/// The ggml build mimicked: [`set_ggml_isa`] if called, else `INFER_LLAMACPP_ISA` (`avx2` or
-/// `avx512`), else what `GGML_NATIVE` would compile for on this CPU (AVX-512 when AVX512F and
-/// AVX512DQ are available).
+/// The ggml build mimicked: [`set_ggml_isa`] if called, else `INFER_LLAMACPP_ISA` (`avx2`,
+/// `avx512`, or `native`: what `GGML_NATIVE` would compile for on this CPU, AVX-512 when AVX512F
+/// and AVX512DQ are available), else AVX-512 (the reference build).
 pub fn ggml_isa() -> GgmlIsa {
     match ISA.load(Ordering::Relaxed) {
         1 => return GgmlIsa::Avx2,
@@ -37,8 +40,8 @@ pub fn ggml_isa() -> GgmlIsa {
     }
     let isa = match std::env::var("INFER_LLAMACPP_ISA").ok().as_deref() {
         Some("avx2") => GgmlIsa::Avx2,
-        Some("avx512") => GgmlIsa::Avx512,
-        _ => detect_isa(),
+        Some("native") => detect_isa(),
+        _ => GgmlIsa::Avx512,
     };
     // A racing first call computes the same value.
     let _ = ISA.compare_exchange(0, isa_code(isa), Ordering::Relaxed, Ordering::Relaxed);
@@ -292,6 +295,46 @@ mod tests {
         let mut x = [1.0f32, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
         rope_head(&mut x, &cache, RopeStyle::Neox);
         assert!((x[0] - 7f32.cos()).abs() < 1e-6 && (x[4] - 7f32.sin()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gelu_table_is_llamacpps() {
+        // FNV-1a (64-bit) and sum over the entries of llama.cpp's `ggml_table_gelu_f16`
+        // (0c1e57098, x86 build with FMA, read from the library after `ggml_cpu_init`) for the
+        // inputs the GELU actually looks up: finite f16 values in (-10, 10).
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let (mut sum, mut n) = (0u64, 0);
+        for (i, v) in gelu_table().iter().enumerate() {
+            let x = f16::from_bits(i as u16).to_f32();
+            if !(x.is_finite() && x > -10.0 && x < 10.0) {
+                continue;
+            }
+            h ^= v.to_bits() as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+            sum += v.to_bits() as u64;
+            n += 1;
+        }
+        assert_eq!((n, sum), (37_376, 893_681_586));
+        assert_eq!(h, 0xaa3b_2ea2_9546_12b3);
+    }
+
+    #[test]
+    fn v_expf_is_close_to_exp_and_saturates() {
+        for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
+            // Normal results: within ggml's stated 1.5 ulp (plus libm's own error).
+            for i in -790..=800 {
+                let x = i as f32 * 0.11;
+                let (got, want) = (v_expf(x, isa), x.exp());
+                assert!(
+                    (got - want).abs() <= 3e-7 * want,
+                    "{isa:?} {x}: {got:e} {want:e}"
+                );
+            }
+            assert_eq!(v_expf(f32::NEG_INFINITY, isa), 0.0);
+            assert_eq!(v_expf(-200.0, isa), 0.0);
+            assert_eq!(v_expf(200.0, isa), f32::INFINITY);
+            assert_eq!(v_expf(0.0, isa), 1.0);
+        }
     }
 
     #[test]
