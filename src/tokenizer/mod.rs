@@ -515,7 +515,7 @@ impl Tokenizer {
             }
             // llama.cpp takes the first hit of a hash-map walk (e.g. `<|im_end|>` over
             // `<|endoftext|>` for Qwen); the first text of the list is the stable equivalent.
-            if let Some(id) = texts.iter().find_map(|t| lookup(*t)) {
+            if let Some(id) = texts.iter().find_map(|t| lookup(t)) {
                 *slot = Some(id);
                 attrs[id as usize] |= attr::CONTROL;
             }
@@ -527,7 +527,7 @@ impl Tokenizer {
             .flatten()
             .collect();
         for t in EOG_TEXTS {
-            if let Some(id) = lookup(*t) {
+            if let Some(id) = lookup(t) {
                 eog.push(id);
                 attrs[id as usize] |= attr::CONTROL;
             }
