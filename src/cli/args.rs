@@ -4,6 +4,9 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::cli::UsageError;
+use infer::engine::sampler::SamplerConfig;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "infer",
@@ -66,19 +69,9 @@ pub struct ModelArgs {
     pub threads: Option<usize>,
 }
 
-#[derive(Args, Debug)]
-pub struct RunArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
-    /// Prompt text; `-` reads it from stdin (also the default when stdin is piped)
-    #[arg(short, long, conflicts_with = "prompt_ids")]
-    pub prompt: Option<String>,
-    /// Feed token ids directly, comma-separated (no tokenization, no BOS added)
-    #[arg(long, value_name = "IDS", value_delimiter = ',')]
-    pub prompt_ids: Option<Vec<u32>>,
-    /// Maximum tokens to generate
-    #[arg(short = 'n', long = "max-tokens", default_value_t = 256)]
-    pub max_tokens: usize,
+/// Sampling flags shared by `run` and `chat` (defaults as llama.cpp's).
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
     /// Sampling temperature; 0 = greedy
     #[arg(long, default_value_t = 0.8)]
     pub temp: f32,
@@ -97,6 +90,44 @@ pub struct RunArgs {
     /// Random seed (default: from the clock)
     #[arg(long)]
     pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The sampler configuration, or a usage error naming the bad flag.
+    pub fn config(&self) -> Result<SamplerConfig, UsageError> {
+        if self.temp < 0.0 || !self.temp.is_finite() {
+            return Err(UsageError(format!("--temp must be ≥ 0, got {}", self.temp)));
+        }
+        if !(0.0..=1.0).contains(&self.top_p) || !(0.0..=1.0).contains(&self.min_p) {
+            return Err(UsageError("--top-p and --min-p must be within 0..1".into()));
+        }
+        Ok(SamplerConfig {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            seed: self.seed.unwrap_or_else(SamplerConfig::entropy_seed),
+            ..SamplerConfig::default()
+        })
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt text; `-` reads it from stdin (also the default when stdin is piped)
+    #[arg(short, long, conflicts_with = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// Feed token ids directly, comma-separated (no tokenization, no BOS added)
+    #[arg(long, value_name = "IDS", value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Maximum tokens to generate
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 256)]
+    pub max_tokens: usize,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Context size in tokens (default: 4096, at most the model's training context)
     #[arg(short, long)]
     pub ctx: Option<usize>,
@@ -130,24 +161,8 @@ pub struct ChatArgs {
     /// Maximum tokens per answer
     #[arg(short = 'n', long = "max-tokens", default_value_t = 512)]
     pub max_tokens: usize,
-    /// Sampling temperature; 0 = greedy
-    #[arg(long, default_value_t = 0.8)]
-    pub temp: f32,
-    /// Keep only the K most likely tokens (0 = off)
-    #[arg(long, default_value_t = 40)]
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability sums to P (1 = off)
-    #[arg(long, default_value_t = 0.95)]
-    pub top_p: f32,
-    /// Drop tokens less likely than P times the most likely one (0 = off)
-    #[arg(long, default_value_t = 0.05)]
-    pub min_p: f32,
-    /// Penalize tokens seen in the last 64 (1 = off)
-    #[arg(long, default_value_t = 1.0)]
-    pub repeat_penalty: f32,
-    /// Random seed (default: from the clock)
-    #[arg(long)]
-    pub seed: Option<u64>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Context size in tokens (default: 4096, at most the model's training context)
     #[arg(short, long)]
     pub ctx: Option<usize>,

@@ -28,12 +28,10 @@ use rustyline::{Completer, Editor, Helper, Highlighter, Hinter};
 
 use crate::cli::args::ChatArgs;
 use crate::cli::load::load;
-use crate::cli::UsageError;
 use infer::chat::input::{self, Command, Setting, HELP};
 use infer::chat::{fallback_render, ChatTemplate, Conversation, Message, FALLBACK_STOPS};
 use infer::engine::generate::{generate, GenParams, StopReason};
 use infer::engine::runner::{Runner, Sequence};
-use infer::engine::sampler::SamplerConfig;
 use infer::format::Gguf;
 use infer::kernels::cpu::backend::CpuBackend;
 use infer::tokenizer::Tokenizer;
@@ -430,12 +428,7 @@ fn history_path() -> Option<PathBuf> {
 }
 
 pub fn chat(a: ChatArgs) -> Result<()> {
-    if a.temp < 0.0 || !a.temp.is_finite() {
-        return Err(UsageError(format!("--temp must be ≥ 0, got {}", a.temp)).into());
-    }
-    if !(0.0..=1.0).contains(&a.top_p) || !(0.0..=1.0).contains(&a.min_p) {
-        return Err(UsageError("--top-p and --min-p must be within 0..1".into()).into());
-    }
+    let sampler = a.sampling.config()?;
     let loaded = load(&a.model.model, a.model.threads, a.ctx)?;
     let template = resolve_template(&loaded.gguf, &loaded.tokenizer, a.chat_template.as_deref())?;
     let stop = match template {
@@ -444,15 +437,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     };
     let params = GenParams {
         max_tokens: a.max_tokens,
-        sampler: SamplerConfig {
-            temperature: a.temp,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            min_p: a.min_p,
-            repeat_penalty: a.repeat_penalty,
-            seed: a.seed.unwrap_or_else(SamplerConfig::entropy_seed),
-            ..SamplerConfig::default()
-        },
+        sampler,
         stop,
     };
     eprintln!(

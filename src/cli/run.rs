@@ -15,7 +15,6 @@ use crate::cli::tokenize::read_stdin_text;
 use crate::cli::UsageError;
 use infer::engine::generate::{generate, GenParams};
 use infer::engine::runner::Sequence;
-use infer::engine::sampler::SamplerConfig;
 
 /// Installs the Ctrl-C handler once and returns the flag it raises.
 fn cancel_flag() -> Arc<AtomicBool> {
@@ -31,20 +30,8 @@ fn cancel_flag() -> Arc<AtomicBool> {
     flag
 }
 
-fn seed_from_clock() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0x5eed)
-}
-
 pub fn run(a: RunArgs) -> Result<()> {
-    if a.temp < 0.0 || !a.temp.is_finite() {
-        return Err(UsageError(format!("--temp must be ≥ 0, got {}", a.temp)).into());
-    }
-    if !(0.0..=1.0).contains(&a.top_p) || !(0.0..=1.0).contains(&a.min_p) {
-        return Err(UsageError("--top-p and --min-p must be within 0..1".into()).into());
-    }
+    let sampler = a.sampling.config()?;
     let prompt_text = match (&a.prompt, &a.prompt_ids) {
         (_, Some(_)) => None,
         (Some(p), None) if p != "-" => Some(p.clone()),
@@ -92,15 +79,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     let params = GenParams {
         max_tokens: a.max_tokens,
-        sampler: SamplerConfig {
-            temperature: a.temp,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            min_p: a.min_p,
-            repeat_penalty: a.repeat_penalty,
-            seed: a.seed.unwrap_or_else(seed_from_clock),
-            ..SamplerConfig::default()
-        },
+        sampler,
         stop: [a.stop.clone(), chat_stops].concat(),
     };
     let tty = std::io::stdout().is_terminal();
