@@ -2,7 +2,7 @@
 //! file; activations are plain `Vec<f32>`; the KV cache is paged f16 storage. Every op that touches a
 //! matrix splits its output rows across the persistent thread pool; no op allocates per row.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::{bail, Result};
 use half::f16;
@@ -12,6 +12,7 @@ use crate::kernels::cpu::attention;
 use crate::kernels::cpu::matmul;
 use crate::kernels::cpu::ops;
 use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::q4k_x8;
 use crate::model::backend::{AttnQuery, AttnShape, Backend, Rope, WeightSource};
 use crate::model::config::Activation;
 
@@ -23,11 +24,25 @@ pub struct CpuWeight {
     pub rows: usize,
     pub cols: usize,
     pub row_bytes: usize,
+    /// The x8-repacked copy of a Q4_K matrix, built on its first matmul (`q4k_x8`); embedding
+    /// tables are read from the file and never packed.
+    packed: OnceLock<Vec<u8>>,
 }
 
 impl CpuWeight {
     pub fn bytes(&self) -> &[u8] {
         self.file.tensor_data(&self.file.tensors[self.index])
+    }
+
+    /// The x8-packed Q4_K bytes, packing on first use; `None` for other types and shapes.
+    pub fn packed_q4k(&self, pool: &ThreadPool) -> Option<&[u8]> {
+        if self.ty != GgmlType::Q4K || !q4k_x8::packable(self.rows, self.cols) {
+            return None;
+        }
+        Some(
+            self.packed
+                .get_or_init(|| q4k_x8::pack(pool, self.bytes(), self.rows, self.cols)),
+        )
     }
 }
 
@@ -51,6 +66,18 @@ pub struct CpuKv {
     pub v: Vec<Vec<f16>>, // (n_layer, n_blocks * block_size * kv_dim)
     pub block_size: usize,
     pub kv_dim: usize,
+}
+
+/// A raw pointer to f32 data shared across the pool's threads, each writing disjoint elements.
+#[derive(Clone, Copy)]
+struct SharedF32(*mut f32);
+// SAFETY: users write disjoint ranges and the pool joins before the data is read again.
+unsafe impl Sync for SharedF32 {}
+unsafe impl Send for SharedF32 {}
+impl SharedF32 {
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
 }
 
 pub struct CpuBackend {
@@ -107,6 +134,7 @@ impl Backend for CpuBackend {
             rows: src.rows,
             cols: src.cols,
             row_bytes,
+            packed: OnceLock::new(),
         })
     }
 
@@ -207,11 +235,26 @@ impl Backend for CpuBackend {
     }
 
     fn glu(&self, gate: &mut CpuAct, up: &CpuAct, act: Activation) {
-        // Row by row: ggml's vectorised GLU handles each row's tail separately.
+        // Row by row: ggml's vectorised GLU handles each row's tail (past the last multiple of 16)
+        // separately, so a row is split across threads only at multiples of 16.
         let c = gate.cols;
-        for (g, u) in gate.data.chunks_exact_mut(c).zip(up.data.chunks_exact(c)) {
-            ops::glu(g, u, act);
-        }
+        let piece = if gate.rows == 1 {
+            c.div_ceil(64) * 16
+        } else {
+            c
+        };
+        let per_row = c.div_ceil(piece);
+        let g = SharedF32(gate.data.as_mut_ptr());
+        self.pool.for_range(gate.rows * per_row, 1, |range| {
+            for i in range {
+                let (r, k) = (i / per_row, i % per_row);
+                let (lo, hi) = (r * c + k * piece, r * c + ((k + 1) * piece).min(c));
+                // SAFETY: piece i covers elements lo..hi of row r, inside `gate.data` and disjoint
+                // from every other piece; the pool joins before `gate` is used again.
+                let gs = unsafe { std::slice::from_raw_parts_mut(g.ptr().add(lo), hi - lo) };
+                ops::glu(gs, &up.data[lo..hi], act);
+            }
+        });
     }
 
     fn kv_write(&self, kv: &mut CpuKv, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[usize]) {

@@ -61,13 +61,67 @@ pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct) {
     let act_ty = crate::quant::vec_dot_type(w.ty);
     let a_bytes = crate::quant::activation_row_bytes(act_ty, cols)
         .expect("activation row fits the block size");
-    let mut xq = Vec::with_capacity(n * a_bytes);
-    let mut tmp = Vec::with_capacity(a_bytes);
-    for t in 0..n {
-        crate::quant::quantize_activations_as(w.ty, x.row(t), &mut tmp, Q8Variant::X86Avx)
-            .expect("activation quantization for a supported type");
-        xq.extend_from_slice(&tmp[..a_bytes]);
+    XQ.with_borrow_mut(|xq| {
+        quantize_rows(pool, w.ty, x, a_bytes, xq);
+        if let Some(packed) = w.packed_q4k(pool) {
+            crate::kernels::cpu::q4k_x8::matmul(pool, packed, rows, cols, xq, n, &mut out.data);
+        } else {
+            matmul_rows(pool, w, xq, a_bytes, n, out);
+        }
+    });
+}
+
+thread_local! {
+    /// The quantized activations of the current matmul, reused across calls (allocating them each
+    /// time costs page faults on every prefill matmul).
+    static XQ: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Quantizes the `x.rows` activation rows for weight type `ty` into `xq` (`a_bytes` each), rows
+/// split across the pool.
+fn quantize_rows(pool: &ThreadPool, ty: GgmlType, x: &CpuAct, a_bytes: usize, xq: &mut Vec<u8>) {
+    let n = x.rows;
+    xq.resize(n * a_bytes, 0);
+    let dst = SharedBytes(xq.as_mut_ptr());
+    let min_rows = if x.cols >= 4096 { 1 } else { 4 };
+    pool.for_range(n, min_rows, |range| {
+        let mut tmp = Vec::with_capacity(a_bytes);
+        for t in range {
+            crate::quant::quantize_activations_as(ty, x.row(t), &mut tmp, Q8Variant::X86Avx)
+                .expect("activation quantization for a supported type");
+            // SAFETY: row t's bytes `t * a_bytes .. (t + 1) * a_bytes` lie inside `xq` (t < n) and
+            // belong to this chunk only.
+            unsafe {
+                std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst.ptr().add(t * a_bytes), a_bytes)
+            };
+        }
+    });
+}
+
+/// A raw byte pointer shared across the pool's threads (each writes its own rows).
+#[derive(Clone, Copy)]
+struct SharedBytes(*mut u8);
+// SAFETY: each thread writes a disjoint set of rows and the pool joins before the bytes are read.
+unsafe impl Sync for SharedBytes {}
+unsafe impl Send for SharedBytes {}
+
+impl SharedBytes {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    fn ptr(self) -> *mut u8 {
+        self.0
     }
+}
+
+/// The unpacked path: every weight row against the activation rows in tiles of four.
+fn matmul_rows(
+    pool: &ThreadPool,
+    w: &CpuWeight,
+    xq: &[u8],
+    a_bytes: usize,
+    n: usize,
+    out: &mut CpuAct,
+) {
+    let (cols, rows) = (w.cols, w.rows);
     let kern = simd::kernels(w.ty)
         .or_else(|| simd::reference(w.ty))
         .expect("supported weight type has a dot product");

@@ -7,4 +7,5 @@ pub mod matmul;
 pub mod membw;
 pub mod ops;
 pub mod pool;
+pub mod q4k_x8;
 pub mod simd;

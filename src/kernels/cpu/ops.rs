@@ -106,8 +106,10 @@ pub fn v_expf(x: f32, isa: GgmlIsa) -> f32 {
                 return if n <= 0.0 { 0.0 } else { f32::INFINITY };
             }
             let j = poly.mul_add(u, c(0x3f7f_fff6).mul_add(b, 1.0));
-            // _mm512_scalef_ps: j·2^n rounded once (n is an integer here; exact in f64).
-            (j as f64 * 2f64.powi(n as i32)) as f32
+            // _mm512_scalef_ps: j·2^n rounded once (n is an integer in -192..=192 here, so 2^n is
+            // an exact f64 built from its exponent bits).
+            let pow2 = f64::from_bits(((n as i64 + 1023) as u64) << 52);
+            (j as f64 * pow2) as f32
         }
     }
 }
@@ -219,7 +221,19 @@ fn gelu_table() -> &'static [f16] {
 
 /// gate = act(gate) * up, element-wise.
 pub fn glu(gate: &mut [f32], up: &[f32], act: Activation) {
-    with_fma(|| glu_impl(gate, up, act))
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has FMA (checked just above).
+        return unsafe { glu_fma(gate, up, act) };
+    }
+    glu_impl(gate, up, act)
+}
+
+/// [`glu_impl`] compiled with FMA (same results: `mul_add` is exactly rounded either way).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn glu_fma(gate: &mut [f32], up: &[f32], act: Activation) {
+    glu_impl(gate, up, act)
 }
 
 #[inline(always)]

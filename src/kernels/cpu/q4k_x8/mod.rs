@@ -1,0 +1,266 @@
+//! Q4_K matrices repacked eight rows at a time ("x8"), and the matmul over them.
+//!
+//! llama.cpp repacks every Q4_K matrix whose row count is a multiple of 8 (its CPU_REPACK buffer)
+//! so that one SIMD register holds the same four columns of eight weight rows; its GEMV and GEMM
+//! then accumulate eight outputs lane-wise, with no horizontal reductions. This module does the
+//! same with its own layout, once per weight (on first use, [`pack`] across the thread pool), and
+//! keeps the float arithmetic of llama.cpp's two kernels, operation for operation, so results stay
+//! bit-identical to it:
+//! - **GEMV flavour** (`ggml_gemv_q4_K_8x8_q8_K`, activation rows that are not part of a group of
+//!   four): per super-block one exact integer sum `isum` and min sum `imin`,
+//!   `acc = fma(isum, d_w·d_a, acc)`, `accm = fma(imin, dmin_w·d_a, accm)`, result `acc - accm`.
+//! - **GEMM flavour** (`ggml_gemm_q4_K_8x8_q8_K`, whole groups of four activation rows when a call
+//!   has four or more): the same with one `fma` per pair of sub-blocks (64 values).
+//!
+//! Layout of one packed block (8 weight rows × 256 columns, 1152 bytes = 8 × 144, the same size as
+//! the file's blocks, so decode reads no more bytes than before):
+//! - `@0`: the 8 rows' `d` (f16), `@16`: their `dmin` (f16);
+//! - `@32`: the 12 packed scale/min bytes transposed: byte `i` of row `c` at `32 + 8i + c`;
+//! - `@128`: the nibbles: for pair `p` (0..4) and step `s` (0..8), the 32 bytes at
+//!   `128 + 256p + 32s` hold row `c`'s file bytes `16 + 32p + 4s .. +4` at offset `4c` (low
+//!   nibbles: sub-block `2p`, values `4s..4s+4`; high nibbles: sub-block `2p + 1`).
+//!
+//! Blocks are stored group by group (`group * nb + block`). Invariant: a packed buffer is only
+//! built from a matrix with `rows % 8 == 0` and `cols % 256 == 0`, exactly `rows * cols / 256`
+//! file blocks. The scalar twin [`dot_group_scalar`] is what the AVX2 kernels are tested against, bit
+//! for bit, and what runs on CPUs without AVX2.
+
+use crate::kernels::cpu::pool::ThreadPool;
+use crate::quant::blocks::get_scale_min_k4;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(test)]
+mod tests;
+
+/// Weight rows per packed group.
+pub const GROUP: usize = 8;
+/// Bytes of one packed block (eight 144-byte Q4_K blocks).
+pub const BLOCK_BYTES: usize = GROUP * 144;
+/// Bytes of one Q8_K activation block (`d: f32`, 256 `i8`, 16 `i16` bsums).
+const A_BYTES: usize = 292;
+
+/// Whether [`pack`] accepts a `rows × cols` Q4_K matrix.
+pub fn packable(rows: usize, cols: usize) -> bool {
+    rows % GROUP == 0 && cols % 256 == 0 && rows > 0
+}
+
+/// Repacks a Q4_K matrix (`src`: `rows` rows of `cols / 256` file blocks) into the x8 layout.
+/// Panics unless [`packable`] and `src` has exactly the matrix's bytes.
+pub fn pack(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    assert!(packable(rows, cols), "{rows}x{cols} is not x8-packable");
+    let nb = cols / 256;
+    let row_bytes = nb * 144;
+    assert_eq!(src.len(), rows * row_bytes, "Q4_K matrix bytes");
+    let groups = rows / GROUP;
+    let group_bytes = nb * BLOCK_BYTES;
+    let mut out = vec![0u8; groups * group_bytes];
+    let dst = SharedBytes(out.as_mut_ptr());
+    pool.for_range(groups, 4, |range| {
+        for g in range {
+            // SAFETY: group g's packed bytes `g * group_bytes .. (g + 1) * group_bytes` lie inside
+            // `out` (g < groups) and belong to this chunk only, so no two threads alias them.
+            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(g * group_bytes), group_bytes) };
+            pack_group(
+                &src[g * GROUP * row_bytes..(g + 1) * GROUP * row_bytes],
+                nb,
+                o,
+            );
+        }
+    });
+    out
+}
+
+/// One group of eight rows (`src`: 8 rows of `nb` blocks) into `out` (`nb` packed blocks).
+fn pack_group(src: &[u8], nb: usize, out: &mut [u8]) {
+    let row_bytes = nb * 144;
+    for b in 0..nb {
+        let o = &mut out[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
+        for c in 0..GROUP {
+            let x = &src[c * row_bytes + b * 144..c * row_bytes + (b + 1) * 144];
+            o[2 * c..2 * c + 2].copy_from_slice(&x[0..2]);
+            o[16 + 2 * c..16 + 2 * c + 2].copy_from_slice(&x[2..4]);
+            for i in 0..12 {
+                o[32 + 8 * i + c] = x[4 + i];
+            }
+            for p in 0..4 {
+                for s in 0..8 {
+                    let at = 128 + 256 * p + 32 * s + 4 * c;
+                    let from = 16 + 32 * p + 4 * s;
+                    o[at..at + 4].copy_from_slice(&x[from..from + 4]);
+                }
+            }
+        }
+    }
+}
+
+/// A raw pointer shared across the pool's threads (each writes its own disjoint elements).
+#[derive(Clone, Copy)]
+struct SharedBytes(*mut u8);
+// SAFETY: users write disjoint ranges and the pool joins before the buffer is read.
+unsafe impl Sync for SharedBytes {}
+unsafe impl Send for SharedBytes {}
+impl SharedBytes {
+    fn at(self, i: usize) -> *mut u8 {
+        // SAFETY: callers pass offsets inside the allocation.
+        unsafe { self.0.add(i) }
+    }
+}
+
+/// A raw f32 output pointer shared across the pool's threads.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: every thread writes the output columns of its own weight groups only, and the pool
+// joins all threads before the buffer is used again.
+unsafe impl Sync for SharedOut {}
+unsafe impl Send for SharedOut {}
+impl SharedOut {
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Activation rows per cache block of the GEMM: enough bytes to stay in L2 next to a weight
+/// group, in whole groups of four.
+fn rows_per_chunk(a_row_bytes: usize) -> usize {
+    ((192 * 1024 / a_row_bytes.max(1)) / 4 * 4).max(4)
+}
+
+/// `out (n × rows) = x · Wᵀ` for a packed Q4_K matrix `packed` (`rows × cols`) and `n`
+/// activation rows already quantized to Q8_K (`xq`: `n` rows of `cols / 256` blocks). Whole
+/// groups of four rows take the GEMM flavour when `n >= 4`, the rest the GEMV flavour — as
+/// llama.cpp splits them.
+pub fn matmul(
+    pool: &ThreadPool,
+    packed: &[u8],
+    rows: usize,
+    cols: usize,
+    xq: &[u8],
+    n: usize,
+    out: &mut [f32],
+) {
+    let nb = cols / 256;
+    let a_row = nb * A_BYTES;
+    assert!(packable(rows, cols) && packed.len() == rows * nb * 144);
+    assert_eq!(xq.len(), n * a_row, "activation bytes");
+    assert_eq!(out.len(), n * rows, "output size");
+    let gemm_rows = if n >= 4 { n - n % 4 } else { 0 };
+    let chunk = rows_per_chunk(a_row);
+    let groups = rows / GROUP;
+    let group_bytes = nb * BLOCK_BYTES;
+    let dst = SharedOut(out.as_mut_ptr());
+    let min_groups = if n == 1 { 8 } else { 1 };
+    pool.for_range(groups, min_groups, |range| {
+        let kernel = |g: usize, t0: usize, m: usize, pair: bool| {
+            let w = &packed[g * group_bytes..(g + 1) * group_bytes];
+            let a = &xq[t0 * a_row..(t0 + m) * a_row];
+            let mut res = [[0f32; GROUP]; 4];
+            dot_group(nb, w, a, a_row, m, pair, &mut res);
+            for (j, r) in res[..m].iter().enumerate() {
+                // SAFETY: t0 + j < n and g * 8 + 8 <= rows, so the 8 elements at
+                // (t0 + j) * rows + g * 8 are inside `out` (n * rows); group g belongs to this
+                // chunk only, so no other thread writes them.
+                unsafe {
+                    let o = dst.ptr().add((t0 + j) * rows + g * GROUP);
+                    std::ptr::copy_nonoverlapping(r.as_ptr(), o, GROUP);
+                }
+            }
+        };
+        for c0 in (0..gemm_rows).step_by(chunk) {
+            let c1 = (c0 + chunk).min(gemm_rows);
+            for g in range.clone() {
+                for t0 in (c0..c1).step_by(4) {
+                    kernel(g, t0, 4, true);
+                }
+            }
+        }
+        if gemm_rows < n {
+            for g in range.clone() {
+                kernel(g, gemm_rows, n - gemm_rows, false);
+            }
+        }
+    });
+}
+
+/// One packed group (`w`: `nb` packed blocks) times `m` (1..=4) Q8_K activation rows `stride`
+/// bytes apart (`a`); `out[r][c]` = row `r` · weight row `c` of the group. `pair` picks the GEMM
+/// flavour (one fold per pair of sub-blocks), else the GEMV flavour (one per super-block).
+pub fn dot_group(
+    nb: usize,
+    w: &[u8],
+    a: &[u8],
+    stride: usize,
+    m: usize,
+    pair: bool,
+    out: &mut [[f32; GROUP]; 4],
+) {
+    assert!((1..=4).contains(&m), "1..=4 activation rows");
+    assert_eq!(w.len(), nb * BLOCK_BYTES, "packed group bytes");
+    assert!(stride >= nb * A_BYTES && a.len() >= (m - 1) * stride + nb * A_BYTES);
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar {
+        // SAFETY: a non-scalar level is selected only after AVX2, FMA and F16C were detected;
+        // `w` holds `nb` packed blocks and each of the `m` activation rows `nb` Q8_K blocks
+        // (asserted above), which is all the kernel reads; it writes `out[..m]` only.
+        unsafe { avx2::dot_group(nb, w.as_ptr(), a.as_ptr(), stride, m, pair, out) };
+        return;
+    }
+    dot_group_scalar(nb, w, a, stride, m, pair, out);
+}
+
+/// The scalar twin of [`dot_group`]: the same exact integer sums and the same float operations per
+/// output, one element at a time.
+pub fn dot_group_scalar(
+    nb: usize,
+    w: &[u8],
+    a: &[u8],
+    stride: usize,
+    m: usize,
+    pair: bool,
+    out: &mut [[f32; GROUP]; 4],
+) {
+    let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+    for (r, out_r) in out.iter_mut().enumerate().take(m) {
+        for (c, o) in out_r.iter_mut().enumerate() {
+            let (mut acc, mut accm) = (0f32, 0f32);
+            for b in 0..nb {
+                let x = &w[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
+                let y = &a[r * stride + b * A_BYTES..r * stride + (b + 1) * A_BYTES];
+                let ad = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+                let dd = f16(&x[2 * c..]) * ad;
+                let dm = f16(&x[16 + 2 * c..]) * ad;
+                let q: [u8; 12] = std::array::from_fn(|i| x[32 + 8 * i + c]);
+                let bs = |k: usize| i16::from_le_bytes([y[260 + 2 * k], y[261 + 2 * k]]) as i32;
+                let sub = |k: usize| bs(2 * k) + bs(2 * k + 1);
+                let (mut isum_t, mut imin_t) = (0i32, 0i32);
+                for p in 0..4 {
+                    let (mut s0, mut s1) = (0i32, 0i32);
+                    for s in 0..8 {
+                        for j in 0..4 {
+                            let qb = x[128 + 256 * p + 32 * s + 4 * c + j];
+                            let k = 64 * p + 4 * s + j;
+                            s0 += (qb & 0xF) as i32 * y[4 + k] as i8 as i32;
+                            s1 += (qb >> 4) as i32 * y[4 + 32 + k] as i8 as i32;
+                        }
+                    }
+                    let (sc0, m0) = get_scale_min_k4(2 * p, &q);
+                    let (sc1, m1) = get_scale_min_k4(2 * p + 1, &q);
+                    let isum = sc0 as i32 * s0 + sc1 as i32 * s1;
+                    let imin = m0 as i32 * sub(2 * p) + m1 as i32 * sub(2 * p + 1);
+                    if pair {
+                        acc = (isum as f32).mul_add(dd, acc);
+                        accm = (imin as f32).mul_add(dm, accm);
+                    } else {
+                        isum_t += isum;
+                        imin_t += imin;
+                    }
+                }
+                if !pair {
+                    acc = (isum_t as f32).mul_add(dd, acc);
+                    accm = (imin_t as f32).mul_add(dm, accm);
+                }
+            }
+            *o = acc - accm;
+        }
+    }
+}
