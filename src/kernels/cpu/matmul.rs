@@ -23,6 +23,7 @@
 use crate::format::GgmlType;
 use crate::kernels::cpu::backend::{CpuAct, CpuWeight};
 use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::q6k_x8;
 use crate::kernels::cpu::simd;
 use crate::quant::Q8Variant;
 
@@ -65,8 +66,11 @@ pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct) {
         quantize_rows(pool, w.ty, x, a_bytes, xq);
         if let Some(packed) = w.packed_q4k(pool) {
             crate::kernels::cpu::q4k_x8::matmul(pool, packed, rows, cols, xq, n, &mut out.data);
+        } else if w.ty == GgmlType::Q6K && q6k_x8::applies(rows, cols, n) {
+            let done = q6k_x8::matmul(pool, w.bytes(), rows, cols, xq, n, &mut out.data);
+            matmul_rows(pool, w, xq, a_bytes, n, done, out);
         } else {
-            matmul_rows(pool, w, xq, a_bytes, n, out);
+            matmul_rows(pool, w, xq, a_bytes, n, 0, out);
         }
     });
 }
@@ -112,13 +116,15 @@ impl SharedBytes {
     }
 }
 
-/// The unpacked path: every weight row against the activation rows in tiles of four.
+/// The unpacked path: every weight row from `first_row` on against the activation rows in tiles
+/// of four.
 fn matmul_rows(
     pool: &ThreadPool,
     w: &CpuWeight,
     xq: &[u8],
     a_bytes: usize,
     n: usize,
+    first_row: usize,
     out: &mut CpuAct,
 ) {
     let (cols, rows) = (w.cols, w.rows);
@@ -137,9 +143,9 @@ fn matmul_rows(
     let wb = w.bytes();
     let rb = w.row_bytes;
     let dst = SharedOut(out.data.as_mut_ptr());
-    pool.for_range(rows, 16, |range| {
+    pool.for_range(rows - first_row, 16, |range| {
         let mut res = [0f32; TILE];
-        for r in range {
+        for r in range.start + first_row..range.end + first_row {
             let wr = &wb[r * rb..(r + 1) * rb];
             for t0 in (0..n).step_by(TILE) {
                 let m = (n - t0).min(TILE);
@@ -254,7 +260,7 @@ fn q4k_gemm_scalar(nb: usize, w: &[u8], a: &[u8]) -> f32 {
 }
 
 /// [`Flavor::Q6kTiled`] for one activation row, scalar.
-fn q6k_tiled_scalar(nb: usize, w: &[u8], a: &[u8]) -> f32 {
+pub(crate) fn q6k_tiled_scalar(nb: usize, w: &[u8], a: &[u8]) -> f32 {
     use crate::quant::blocks::{Block, BlockQ6K, BlockQ8K};
     let mut acc = 0f32;
     for b in 0..nb {

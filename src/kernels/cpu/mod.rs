@@ -8,4 +8,5 @@ pub mod membw;
 pub mod ops;
 pub mod pool;
 pub mod q4k_x8;
+pub mod q6k_x8;
 pub mod simd;

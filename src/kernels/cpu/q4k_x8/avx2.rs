@@ -71,6 +71,7 @@ pub(super) unsafe fn dot_group(
 ///
 /// # Safety
 /// As [`dot_group`] with `m = M`.
+#[allow(clippy::needless_range_loop)] // rows and pairs index several arrays at once
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_m<const M: usize, const PAIR: bool>(
     nb: usize,

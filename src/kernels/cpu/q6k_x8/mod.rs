@@ -1,0 +1,194 @@
+//! Q6_K prefill GEMM over weight panels of eight rows, packed on the fly.
+//!
+//! For 8 or more activation rows llama.cpp multiplies Q6_K (which it does not repack) with
+//! ggml-cpu's tiled k-quant matmul: per output and per super-block one exact integer sum
+//! `isum = Σ_sb scale_sb · Σ (q - 32)·a`, then `acc = fma(d_w · isum, d_a, acc)`. This module
+//! computes the same floats eight weight rows at a time: each group of eight rows is unpacked once
+//! per call into a panel of plain 6-bit values (`pack_group`), which the AVX2 kernel then multiplies
+//! with four activation rows at a time, lane `c` of every vector being weight row `c`.
+//!
+//! Panel block layout (eight rows × 256 columns, [`PANEL_BLOCK`] bytes): `@0` the rows' `d` as
+//! f32; `@32` the 16 sub-block scales (i8) transposed, sub-block `sb` of row `c` at `32 + 8sb + c`;
+//! `@160` the values `q` (0..64, unsigned): value `e` of row `c` at `160 + 32(e / 4) + 4c + e % 4`.
+//! Invariant: panels are built only for `rows % 8 == 0`, `cols % 256 == 0`; rows that are not part
+//! of a whole group stay on the unpacked path. [`dot_group_scalar`] is the scalar twin the AVX2
+//! kernel is held to, bit for bit.
+
+use crate::kernels::cpu::pool::ThreadPool;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(test)]
+mod tests;
+
+/// Weight rows per panel.
+pub const GROUP: usize = 8;
+/// Bytes of one panel block.
+pub const PANEL_BLOCK: usize = 32 + 128 + 2048;
+/// Bytes of one Q6_K file block and one Q8_K activation block.
+const W_BYTES: usize = 210;
+const A_BYTES: usize = 292;
+
+/// Whether a `rows × cols` Q6_K matrix with `n` activation rows takes this path (llama.cpp's
+/// tiled matmul runs for `n >= 8`).
+pub fn applies(rows: usize, cols: usize, n: usize) -> bool {
+    n >= 8 && rows >= GROUP && cols % 256 == 0
+}
+
+/// The 256 values (0..64) of one Q6_K block.
+fn unpack_block(x: &[u8], q: &mut [u8; 256]) {
+    for h in 0..2 {
+        let (ql, qh) = (&x[64 * h..64 * h + 64], &x[128 + 32 * h..128 + 32 * h + 32]);
+        for l in 0..32 {
+            let e = 128 * h + l;
+            q[e] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+            q[e + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+            q[e + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            q[e + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+}
+
+/// Packs eight rows (`src`: 8 rows of `nb` file blocks) into `panel` (`nb` panel blocks).
+pub fn pack_group(src: &[u8], nb: usize, panel: &mut [u8]) {
+    let row_bytes = nb * W_BYTES;
+    let mut q = [0u8; 256];
+    for b in 0..nb {
+        let o = &mut panel[b * PANEL_BLOCK..(b + 1) * PANEL_BLOCK];
+        for c in 0..GROUP {
+            let x = &src[c * row_bytes + b * W_BYTES..c * row_bytes + (b + 1) * W_BYTES];
+            let d = half::f16::from_le_bytes([x[208], x[209]]).to_f32();
+            o[4 * c..4 * c + 4].copy_from_slice(&d.to_le_bytes());
+            for sb in 0..16 {
+                o[32 + 8 * sb + c] = x[192 + sb];
+            }
+            unpack_block(x, &mut q);
+            for (e4, v) in q.chunks_exact(4).enumerate() {
+                let at = 160 + 32 * e4 + 4 * c;
+                o[at..at + 4].copy_from_slice(v);
+            }
+        }
+    }
+}
+
+/// A raw f32 output pointer shared across the pool's threads.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: every thread writes the output columns of its own weight groups only, and the pool
+// joins all threads before the buffer is used again.
+unsafe impl Sync for SharedOut {}
+unsafe impl Send for SharedOut {}
+impl SharedOut {
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `out (n × rows)` columns `0..rows / 8 * 8` of `x · Wᵀ` for a Q6_K matrix `w` (file layout,
+/// `rows × cols`) and `n` Q8_K activation rows `xq`; returns how many rows it computed (the rest,
+/// fewer than eight, are the caller's).
+pub fn matmul(
+    pool: &ThreadPool,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    xq: &[u8],
+    n: usize,
+    out: &mut [f32],
+) -> usize {
+    let nb = cols / 256;
+    let (row_bytes, a_row) = (nb * W_BYTES, nb * A_BYTES);
+    assert!(
+        cols % 256 == 0 && w.len() == rows * row_bytes,
+        "Q6_K matrix bytes"
+    );
+    assert_eq!(xq.len(), n * a_row, "activation bytes");
+    assert_eq!(out.len(), n * rows, "output size");
+    let groups = rows / GROUP;
+    let dst = SharedOut(out.as_mut_ptr());
+    pool.for_range(groups, 1, |range| {
+        let mut panel = vec![0u8; nb * PANEL_BLOCK];
+        for g in range {
+            pack_group(
+                &w[g * GROUP * row_bytes..(g + 1) * GROUP * row_bytes],
+                nb,
+                &mut panel,
+            );
+            for t0 in (0..n).step_by(4) {
+                let m = (n - t0).min(4);
+                let mut res = [[0f32; GROUP]; 4];
+                dot_group(
+                    nb,
+                    &panel,
+                    &xq[t0 * a_row..(t0 + m) * a_row],
+                    a_row,
+                    m,
+                    &mut res,
+                );
+                for (j, r) in res[..m].iter().enumerate() {
+                    // SAFETY: t0 + j < n and g * 8 + 8 <= rows, so the 8 elements at
+                    // (t0 + j) * rows + g * 8 are inside `out`; group g belongs to this chunk only.
+                    unsafe {
+                        let o = dst.ptr().add((t0 + j) * rows + g * GROUP);
+                        std::ptr::copy_nonoverlapping(r.as_ptr(), o, GROUP);
+                    }
+                }
+            }
+        }
+    });
+    groups * GROUP
+}
+
+/// One panel (`nb` blocks) times `m` (1..=4) Q8_K activation rows `stride` bytes apart;
+/// `out[r][c]` = activation row `r` · weight row `c`.
+pub fn dot_group(
+    nb: usize,
+    panel: &[u8],
+    a: &[u8],
+    stride: usize,
+    m: usize,
+    out: &mut [[f32; GROUP]; 4],
+) {
+    assert!((1..=4).contains(&m), "1..=4 activation rows");
+    assert_eq!(panel.len(), nb * PANEL_BLOCK, "panel bytes");
+    assert!(stride >= nb * A_BYTES && a.len() >= (m - 1) * stride + nb * A_BYTES);
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar {
+        // SAFETY: a non-scalar level is selected only after AVX2, FMA and F16C were detected;
+        // `panel` holds `nb` panel blocks and each of the `m` activation rows `nb` Q8_K blocks
+        // (asserted above), which is all the kernel reads; it writes `out[..m]` only.
+        unsafe { avx2::dot_group(nb, panel.as_ptr(), a.as_ptr(), stride, m, out) };
+        return;
+    }
+    dot_group_scalar(nb, panel, a, stride, m, out);
+}
+
+/// The scalar twin of [`dot_group`], one output at a time.
+pub fn dot_group_scalar(
+    nb: usize,
+    panel: &[u8],
+    a: &[u8],
+    stride: usize,
+    m: usize,
+    out: &mut [[f32; GROUP]; 4],
+) {
+    for (r, out_r) in out.iter_mut().enumerate().take(m) {
+        for (c, o) in out_r.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let x = &panel[b * PANEL_BLOCK..(b + 1) * PANEL_BLOCK];
+                let y = &a[r * stride + b * A_BYTES..r * stride + (b + 1) * A_BYTES];
+                let dw = f32::from_le_bytes([x[4 * c], x[4 * c + 1], x[4 * c + 2], x[4 * c + 3]]);
+                let ad = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
+                let mut isum = 0i32;
+                for e in 0..256 {
+                    let q = x[160 + 32 * (e / 4) + 4 * c + e % 4] as i32 - 32;
+                    let sc = x[32 + 8 * (e / 16) + c] as i8 as i32;
+                    isum += sc * q * y[4 + e] as i8 as i32;
+                }
+                acc = (dw * isum as f32).mul_add(ad, acc);
+            }
+            *o = acc;
+        }
+    }
+}

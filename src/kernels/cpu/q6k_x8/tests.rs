@@ -1,0 +1,63 @@
+//! The panel kernel against its scalar twin and against the unpacked tiled Q6_K arithmetic.
+
+use super::*;
+use crate::format::GgmlType;
+use crate::quant::{quantize_activations, quantize_row};
+
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            ((s >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 4.0
+        })
+        .collect()
+}
+
+#[test]
+fn panel_kernel_matches_twin_and_tiled_matmul() {
+    let (rows, cols, n) = (20, 512, 11);
+    let nb = cols / 256;
+    let mut w = Vec::new();
+    let mut tmp = Vec::new();
+    for r in 0..rows {
+        quantize_row(GgmlType::Q6K, &data(cols, 300 + r as u32), &mut tmp).unwrap();
+        w.extend_from_slice(&tmp);
+    }
+    let mut a = Vec::new();
+    for t in 0..n {
+        quantize_activations(GgmlType::Q6K, &data(cols, 9 + t as u32), &mut tmp).unwrap();
+        a.extend_from_slice(&tmp);
+    }
+    let a_row = nb * A_BYTES;
+    let pool = ThreadPool::new(2);
+    let mut out = vec![f32::NAN; n * rows];
+    assert_eq!(matmul(&pool, &w, rows, cols, &a, n, &mut out), 16);
+    let mut panel = vec![0u8; nb * PANEL_BLOCK];
+    for g in 0..2 {
+        pack_group(&w[g * 8 * nb * 210..(g + 1) * 8 * nb * 210], nb, &mut panel);
+        for t in 0..n {
+            let mut want = [[0f32; GROUP]; 4];
+            dot_group_scalar(
+                nb,
+                &panel,
+                &a[t * a_row..(t + 1) * a_row],
+                a_row,
+                1,
+                &mut want,
+            );
+            for c in 0..GROUP {
+                let row = g * GROUP + c;
+                let got = out[t * rows + row];
+                assert_eq!(got.to_bits(), want[0][c].to_bits(), "t={t} row={row}");
+                let wr = &w[row * nb * 210..(row + 1) * nb * 210];
+                let tiled = crate::kernels::cpu::matmul::q6k_tiled_scalar(
+                    nb,
+                    wr,
+                    &a[t * a_row..(t + 1) * a_row],
+                );
+                assert_eq!(got.to_bits(), tiled.to_bits(), "t={t} row={row}");
+            }
+        }
+    }
+}
