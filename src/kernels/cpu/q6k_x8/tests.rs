@@ -46,10 +46,10 @@ fn panel_kernel_matches_twin_and_tiled_matmul() {
                 1,
                 &mut want,
             );
-            for c in 0..GROUP {
+            for (c, want) in want[0].iter().enumerate() {
                 let row = g * GROUP + c;
                 let got = out[t * rows + row];
-                assert_eq!(got.to_bits(), want[0][c].to_bits(), "t={t} row={row}");
+                assert_eq!(got.to_bits(), want.to_bits(), "t={t} row={row}");
                 let wr = &w[row * nb * 210..(row + 1) * nb * 210];
                 let tiled = crate::kernels::cpu::matmul::q6k_tiled_scalar(
                     nb,
