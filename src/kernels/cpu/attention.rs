@@ -334,9 +334,8 @@ impl Scratch {
     }
 
     fn set_q16(&mut self, q: &[f32]) {
-        for (d, &s) in self.q16.iter_mut().zip(q) {
-            *d = f16::from_f32(s).to_f32();
-        }
+        self.acc16.convert_from_f32_slice(q);
+        self.acc16.convert_to_f32_slice(&mut self.q16);
     }
 }
 
@@ -361,22 +360,87 @@ fn one_chunk(
         if s > m {
             ms = (m - s).exp();
             m = s;
-            // ggml_vec_scale_f16
-            for a in scratch.acc16.iter_mut() {
-                *a = f16::from_f32(a.to_f32() * ms);
-            }
+            scale_f16(&mut scratch.acc16, ms);
         } else {
             vs = (s - m).exp();
         }
-        // ggml_vec_mad_f16: y = f16(fma(x, v, y))
-        for (a, &v) in scratch.acc16.iter_mut().zip(heads.v(p)) {
-            *a = f16::from_f32(v.mul_add(vs, a.to_f32()));
-        }
+        mad_f16(&mut scratch.acc16, heads.v(p), vs);
         // `S = S*ms + vs`, contracted to one FMA by GCC.
         sum = sum.mul_add(ms, vs);
     }
     scratch.acc16.convert_to_f32_slice(&mut scratch.acc);
     (m, sum)
+}
+
+/// `ggml_vec_scale_f16`: `y = f16(y · s)` per element (round to nearest even).
+#[inline(always)]
+fn scale_f16(y: &mut [f16], s: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar {
+        // SAFETY: a non-scalar level means AVX2, FMA and F16C were detected.
+        unsafe { f16c::scale(y, s) };
+        return;
+    }
+    for a in y.iter_mut() {
+        *a = f16::from_f32(a.to_f32() * s);
+    }
+}
+
+/// `ggml_vec_mad_f16`: `y = f16(fma(x, v, y))` per element (round to nearest even).
+#[inline(always)]
+fn mad_f16(y: &mut [f16], x: &[f32], v: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar {
+        // SAFETY: a non-scalar level means AVX2, FMA and F16C were detected.
+        unsafe { f16c::mad(y, x, v) };
+        return;
+    }
+    for (a, &xv) in y.iter_mut().zip(x) {
+        *a = f16::from_f32(xv.mul_add(v, a.to_f32()));
+    }
+}
+
+/// The f16 accumulator steps eight lanes at a time with F16C conversions, which round exactly as
+/// the scalar `f16::from_f32` does (IEEE round to nearest even).
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// AVX2, FMA and F16C are available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scale(y: &mut [f16], s: f32) {
+        let n8 = y.len() - y.len() % 8;
+        let sv = _mm256_set1_ps(s);
+        for i in (0..n8).step_by(8) {
+            let p = y.as_mut_ptr().add(i).cast::<__m128i>();
+            let a = _mm256_cvtph_ps(_mm_loadu_si128(p));
+            let r = _mm256_mul_ps(a, sv);
+            _mm_storeu_si128(p, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+        }
+        for a in &mut y[n8..] {
+            *a = f16::from_f32(a.to_f32() * s);
+        }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C are available; `x.len() >= y.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn mad(y: &mut [f16], x: &[f32], v: f32) {
+        assert!(x.len() >= y.len());
+        let n8 = y.len() - y.len() % 8;
+        let vv = _mm256_set1_ps(v);
+        for i in (0..n8).step_by(8) {
+            let p = y.as_mut_ptr().add(i).cast::<__m128i>();
+            let a = _mm256_cvtph_ps(_mm_loadu_si128(p));
+            let r = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i)), vv, a);
+            _mm_storeu_si128(p, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+        }
+        for (a, &xv) in y[n8..].iter_mut().zip(&x[n8..]) {
+            *a = f16::from_f32(xv.mul_add(v, a.to_f32()));
+        }
+    }
 }
 
 /// ggml's split-KV decode: one_chunk per chunk of `chunk` cells of `0..n_kv`, then

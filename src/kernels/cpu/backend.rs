@@ -6,6 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use anyhow::{bail, Result};
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use crate::format::{GgmlType, Gguf};
 use crate::kernels::cpu::attention;
@@ -260,14 +261,8 @@ impl Backend for CpuBackend {
     fn kv_write(&self, kv: &mut CpuKv, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[usize]) {
         let d = kv.kv_dim;
         for (i, &slot) in slots.iter().enumerate() {
-            let dst = &mut kv.k[layer][slot * d..(slot + 1) * d];
-            dst.iter_mut()
-                .zip(k.row(i))
-                .for_each(|(o, &x)| *o = f16::from_f32(x));
-            let dst = &mut kv.v[layer][slot * d..(slot + 1) * d];
-            dst.iter_mut()
-                .zip(v.row(i))
-                .for_each(|(o, &x)| *o = f16::from_f32(x));
+            kv.k[layer][slot * d..(slot + 1) * d].convert_from_f32_slice(k.row(i));
+            kv.v[layer][slot * d..(slot + 1) * d].convert_from_f32_slice(v.row(i));
         }
     }
 

@@ -128,6 +128,12 @@ fn matmul_rows(
     out: &mut CpuAct,
 ) {
     let (cols, rows) = (w.cols, w.rows);
+    if n == 1 {
+        if let Some(dot_rows) = simd::dot_rows(w.ty) {
+            decode_rows(pool, w, &xq[..a_bytes], first_row, dot_rows, &mut out.data);
+            return;
+        }
+    }
     let kern = simd::kernels(w.ty)
         .or_else(|| simd::reference(w.ty))
         .expect("supported weight type has a dot product");
@@ -165,6 +171,27 @@ fn matmul_rows(
                 }
             }
         }
+    });
+}
+
+/// One activation row against weight rows `first_row..` (the decode shape), in chunks of rows
+/// per thread.
+fn decode_rows(
+    pool: &ThreadPool,
+    w: &CpuWeight,
+    xq: &[u8],
+    first_row: usize,
+    dot_rows: simd::DotRowsFn,
+    out: &mut [f32],
+) {
+    let (wb, rb) = (w.bytes(), w.row_bytes);
+    let dst = SharedOut(out.as_mut_ptr());
+    pool.for_range(w.rows - first_row, 64, |range| {
+        let (lo, hi) = (range.start + first_row, range.end + first_row);
+        // SAFETY: rows lo..hi are this chunk's only (disjoint from every other thread's) and
+        // inside `out` (one activation row of `w.rows` outputs).
+        let o = unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(lo), hi - lo) };
+        dot_rows(w.cols, &wb[lo * rb..hi * rb], rb, xq, o);
     });
 }
 

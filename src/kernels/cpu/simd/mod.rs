@@ -52,6 +52,22 @@ pub type DotFn = fn(n: usize, w: &[u8], a: &[u8]) -> f32;
 pub type DotTileFn =
     fn(n: usize, w: &[u8], acts: &[u8], act_stride: usize, m: usize, out: &mut [f32]);
 
+/// Dot of `out.len()` weight rows, `row_bytes` apart in `w`, with ONE activation row: the decode
+/// shape, which runs several rows' independent accumulation chains side by side. `out[r]` is
+/// bit-identical to `dot` of weight row `r`.
+pub type DotRowsFn = fn(n: usize, w: &[u8], row_bytes: usize, a: &[u8], out: &mut [f32]);
+
+/// The multi-row decode kernel for `ty` at the current level, where one exists.
+pub fn dot_rows(ty: GgmlType) -> Option<DotRowsFn> {
+    match current() {
+        Level::Scalar => None,
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => avx2::dot_rows(ty),
+        #[cfg(not(target_arch = "x86_64"))]
+        Level::Avx2 => None,
+    }
+}
+
 /// The kernels for one weight type at one level.
 #[derive(Clone, Copy, Debug)]
 pub struct Kernels {

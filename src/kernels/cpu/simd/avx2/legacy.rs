@@ -17,7 +17,7 @@ use std::arch::x86_64::*;
 
 use super::{
     bytes_from_bits_32, bytes_from_nibbles_32, entries, f16_bcast, f16x2_at, f16x4_gather,
-    hsum_float_8, hsum_rows, ld, mul_sum_us8, prefetch_ahead,
+    hsum_float_8, hsum_rows, ld, mul_sum_us8, prefetch_ahead, wrows_entry,
 };
 use crate::quant::blocks::{
     Block, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1,
@@ -140,6 +140,103 @@ unsafe fn signed_q8_0_rows<const M: usize>(
         *out.add(r) = hsum_float_8(*ac);
     }
 }
+
+/// The decode shape of [`signed_q8_0_rows`]: four weight rows (`row_bytes` apart) against ONE
+/// activation row, whose blocks are loaded once for all four. Each weight row keeps its own
+/// eight-lane accumulator and the same float operations as `rows::<1>`, so `out[r]` is
+/// bit-identical to the `dot` of row `r`; the four independent chains hide the FMA latency that
+/// bounds a single row.
+///
+/// # Safety
+/// As [`signed_q8_0_rows`], with four weight rows of `nb` blocks at `w + r * row_bytes` and one
+/// activation row; `out` has four slots.
+#[inline(always)]
+unsafe fn signed_q8_0_wrows4(
+    nb: usize,
+    w: *const u8,
+    wbytes: usize,
+    row_bytes: usize,
+    a: *const u8,
+    out: *mut f32,
+    unpack: impl Fn(*const u8) -> __m256i,
+) {
+    let (mut c0, mut c1, mut c2, mut c3) = (
+        _mm256_setzero_ps(),
+        _mm256_setzero_ps(),
+        _mm256_setzero_ps(),
+        _mm256_setzero_ps(),
+    );
+    let step = |x: *const u8, ay: __m256i, da: __m256, acc: __m256| {
+        let qx = unpack(x);
+        let ax = _mm256_sign_epi8(qx, qx);
+        let q = _mm256_cvtepi32_ps(mul_sum_us8(ax, _mm256_sign_epi8(ay, qx)));
+        _mm256_fmadd_ps(_mm256_mul_ps(f16_bcast(x), da), q, acc)
+    };
+    // The four rows are one contiguous run of `4 * row_bytes` bytes, short streams the hardware
+    // prefetcher does not pick up: each step prefetches the matching part of the next run.
+    let lines = (4 * wbytes).div_ceil(64);
+    let mut x = w;
+    let mut ya = a;
+    for b in 0..nb {
+        let pf = w.wrapping_add(4 * row_bytes + b * 4 * wbytes);
+        for l in 0..lines {
+            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * l).cast());
+        }
+        let (ay, da) = (ld(ya.add(2)), f16_bcast(ya));
+        c0 = step(x, ay, da, c0);
+        c1 = step(x.add(row_bytes), ay, da, c1);
+        c2 = step(x.add(2 * row_bytes), ay, da, c2);
+        c3 = step(x.add(3 * row_bytes), ay, da, c3);
+        x = x.add(wbytes);
+        ya = ya.add(BlockQ8_0::BYTES);
+    }
+    *out = hsum_float_8(c0);
+    *out.add(1) = hsum_float_8(c1);
+    *out.add(2) = hsum_float_8(c2);
+    *out.add(3) = hsum_float_8(c3);
+}
+
+/// Q8_0: four weight rows against one activation row ([`signed_q8_0_wrows4`]).
+///
+/// # Safety
+/// As [`signed_q8_0_wrows4`], with Q8_0 weight blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, out: *mut f32) {
+    // SAFETY (of the closure's read): `x` is a block pointer, whose 32 quants sit at 2..34.
+    let unpack = |x: *const u8| ld(x.add(2));
+    signed_q8_0_wrows4(nb, w, BlockQ8_0::BYTES, row_bytes, a, out, unpack);
+}
+
+/// Q5_0: four weight rows against one activation row ([`signed_q8_0_wrows4`]).
+///
+/// # Safety
+/// As [`signed_q8_0_wrows4`], with Q5_0 weight blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_0_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, out: *mut f32) {
+    // SAFETY (of the closure's reads): `qh` sits at 2..6 and `qs` at 6..22 of the block.
+    let unpack = |x: *const u8| {
+        let hi = _mm256_andnot_si256(bytes_from_bits_32(x.add(2)), _mm256_set1_epi8(-16));
+        _mm256_or_si256(bytes_from_nibbles_32(x.add(6)), hi)
+    };
+    signed_q8_0_wrows4(nb, w, BlockQ5_0::BYTES, row_bytes, a, out, unpack);
+}
+
+wrows_entry!(
+    q8_0_dot_rows,
+    q8_0_wrows4,
+    q8_0_rows,
+    32,
+    BlockQ8_0::BYTES,
+    BlockQ8_0::BYTES
+);
+wrows_entry!(
+    q5_0_dot_rows,
+    q5_0_wrows4,
+    q5_0_rows,
+    32,
+    BlockQ5_0::BYTES,
+    BlockQ8_0::BYTES
+);
 
 /// Q8_0 × Q8_0.
 ///

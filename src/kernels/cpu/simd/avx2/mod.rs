@@ -51,6 +51,19 @@ pub(super) fn kernels(ty: GgmlType) -> Option<Kernels> {
     Some(Kernels { dot, tile, name })
 }
 
+/// The AVX2 decode kernel over many weight rows for `ty` (see [`super::DotRowsFn`]), where one
+/// exists and the CPU has AVX2/FMA/F16C.
+pub(super) fn dot_rows(ty: GgmlType) -> Option<super::DotRowsFn> {
+    if !detected() {
+        return None;
+    }
+    match ty {
+        GgmlType::Q8_0 => Some(legacy::q8_0_dot_rows),
+        GgmlType::Q5_0 => Some(legacy::q5_0_dot_rows),
+        _ => None,
+    }
+}
+
 /// The AVX2 Q4_K tile with llama.cpp's repacked-GEMM accumulation (see `kquants`), or `None`
 /// without AVX2/FMA/F16C.
 pub(super) fn q4k_gemm() -> Option<Kernels> {
@@ -129,6 +142,46 @@ macro_rules! entries {
     };
 }
 use entries;
+
+/// Defines the safe entry point `$name` ([`super::DotRowsFn`]) from a four-row decode kernel
+/// `$wrows4(nb, w, row_bytes, a, out)` and, for a last group of fewer than four rows, the one-row
+/// kernel `$rows::<1>`; `$elems`-element blocks of `$wb` weight bytes and `$ab` activation bytes.
+macro_rules! wrows_entry {
+    ($name:ident, $wrows4:ident, $rows:ident, $elems:expr, $wb:expr, $ab:expr) => {
+        pub(super) fn $name(n: usize, w: &[u8], row_bytes: usize, a: &[u8], out: &mut [f32]) {
+            let r = out.len();
+            assert!(
+                n % $elems == 0 && row_bytes == n / $elems * $wb,
+                "row of {n} values is not {row_bytes} bytes"
+            );
+            let nb = n / $elems;
+            assert!(w.len() >= r * row_bytes, "weight rows");
+            assert_eq!(
+                a.len(),
+                nb * $ab,
+                "activation row must be exactly {nb} blocks"
+            );
+            let (wp, ap, o) = (w.as_ptr(), a.as_ptr(), out.as_mut_ptr());
+            let mut i = 0;
+            while i < r {
+                // SAFETY: only `dot_rows()` hands this function out, after checking AVX2, FMA
+                // and F16C; `w` holds `r` rows of `nb` blocks `row_bytes` apart and `a` one row
+                // of `nb` activation blocks (checked above); `out` has `r` slots, and the calls
+                // touch rows / slots `i..i + 4` (or `i`) only, all below `r`.
+                unsafe {
+                    if r - i >= 4 {
+                        $wrows4(nb, wp.add(i * row_bytes), row_bytes, ap, o.add(i));
+                        i += 4;
+                    } else {
+                        $rows::<1>(nb, wp.add(i * row_bytes), ap, 0, o.add(i));
+                        i += 1;
+                    }
+                }
+            }
+        }
+    };
+}
+use wrows_entry;
 
 // ---- shared helpers: all `#[inline]` + the level's features, so they inline into the kernels ----
 
