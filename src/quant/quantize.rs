@@ -59,6 +59,19 @@ pub enum Q8Variant {
     ArmNeon,
 }
 
+/// `x.round_ties_even()` without a library call where SSE4.1 is not compiled in: adding and
+/// subtracting 1.5·2^23 rounds to the nearest even integer exactly for |x| < 2^22 (the quantizers'
+/// values are within ±128); other values (and NaN) take the library path.
+#[inline(always)]
+fn rne_small(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    if x.abs() < 4_194_304.0 {
+        (x + MAGIC) - MAGIC
+    } else {
+        x.round_ties_even()
+    }
+}
+
 /// Quantizes one 32-value block the way `variant` does; returns (d as f32 before f16, qs).
 #[inline]
 fn q8_block(x: &[f32], variant: Q8Variant) -> (f32, [i8; 32]) {
@@ -80,13 +93,13 @@ fn q8_block(x: &[f32], variant: Q8Variant) -> (f32, [i8; 32]) {
         Q8Variant::X86Avx => {
             let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
             for (q, &v) in qs.iter_mut().zip(x) {
-                *q = ((v * id).round_ties_even() as i32).clamp(-128, 127) as i8;
+                *q = (rne_small(v * id) as i32).clamp(-128, 127) as i8;
             }
         }
         Q8Variant::ArmNeon => {
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
             for (q, &v) in qs.iter_mut().zip(x) {
-                *q = (v * id).round_ties_even() as i32 as i8;
+                *q = rne_small(v * id) as i32 as i8;
             }
         }
     }
@@ -341,5 +354,21 @@ pub fn quantize_row_f32(src: &[f32], dst: &mut [u8]) {
     assert_eq!(dst.len(), src.len() * 4);
     for (o, &v) in dst.chunks_exact_mut(4).zip(src) {
         o.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod rne_tests {
+    #[test]
+    fn rne_small_equals_round_ties_even() {
+        let mut x = -300.0f32;
+        while x < 300.0 {
+            for v in [x, x + 0.5, x - 0.5, x.next_up(), (x + 0.5).next_down()] {
+                assert_eq!(super::rne_small(v), v.round_ties_even(), "{v}");
+            }
+            x += 0.25;
+        }
+        assert!(super::rne_small(f32::NAN).is_nan());
+        assert_eq!(super::rne_small(1e9), 1e9);
     }
 }

@@ -130,6 +130,10 @@ struct SeqKv {
     base: usize,
     k: Vec<f32>,
     v: Vec<f32>,
+    /// For the tiled kernel only (else empty): the keys transposed in groups of eight positions
+    /// aligned to multiples of 8, `[group][kv head][dim][8]` (groups from `base / 8`), so one
+    /// vector load gives eight keys' values of one dimension.
+    kt: Vec<f32>,
 }
 
 impl SeqKv {
@@ -145,7 +149,32 @@ impl SeqKv {
             kv.k[layer][slot..slot + kvd].convert_to_f32_slice(&mut k[dst.clone()]);
             kv.v[layer][slot..slot + kvd].convert_to_f32_slice(&mut v[dst]);
         }
-        SeqKv { base: lo, k, v }
+        SeqKv {
+            base: lo,
+            k,
+            v,
+            kt: Vec::new(),
+        }
+    }
+
+    /// Builds `kt` for KV heads of `hd` values (`kvd / hd` of them).
+    fn transpose_keys(&mut self, kvd: usize, hd: usize) {
+        let n = self.k.len() / kvd;
+        let (g0, g1) = (self.base / 8, (self.base + n).div_ceil(8));
+        self.kt = vec![0f32; (g1 - g0) * 8 * kvd];
+        for i in 0..n {
+            let p = self.base + i;
+            let (g, j) = (p / 8 - g0, p % 8);
+            for h in 0..kvd / hd {
+                let dst = (g * (kvd / hd) + h) * hd * 8;
+                for (d, &x) in self.k[i * kvd + h * hd..i * kvd + (h + 1) * hd]
+                    .iter()
+                    .enumerate()
+                {
+                    self.kt[dst + 8 * d + j] = x;
+                }
+            }
+        }
     }
 }
 
@@ -158,6 +187,15 @@ struct Heads<'a> {
 }
 
 impl Heads<'_> {
+    /// The transposed keys of the group of eight positions `8g..8g + 8` (`[dim][8]`), zero where a
+    /// position is outside the widened range.
+    #[inline]
+    fn kt(&self, g: usize) -> &[f32] {
+        let heads = self.kvd / self.hd;
+        let s = ((g - self.seq.base / 8) * heads + self.off / self.hd) * self.hd * 8;
+        &self.seq.kt[s..s + self.hd * 8]
+    }
+
     #[inline]
     fn k(&self, p: usize) -> &[f32] {
         let s = (p - self.seq.base) * self.kvd + self.off;
@@ -215,7 +253,11 @@ pub fn attention(
                 };
                 let lo = same().map(|o| o.lo as usize).min().unwrap_or(0);
                 let hi = same().map(|o| o.pos as usize).max().unwrap_or(0);
-                seqs.push((id, SeqKv::new(kv, layer, qa.block_table, lo, hi)));
+                let mut seq = SeqKv::new(kv, layer, qa.block_table, lo, hi);
+                if path == Path::Tiled {
+                    seq.transpose_keys(kv.kv_dim, hd);
+                }
+                seqs.push((id, seq));
                 seqs.len() - 1
             }
         };
@@ -507,22 +549,23 @@ fn tiled(
         let base = t * FA_TILE_KV;
         let (a, b) = (lo.max(base), pos.min(base + FA_TILE_KV - 1));
         kq.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
-        // simd_gemm: one FMA chain over the head dimension per score (eight independent chains at
-        // a time), then the scale.
-        let mut p0 = a;
-        while p0 <= b {
-            let m = (b + 1 - p0).min(8);
-            let mut acc = [0f32; 8];
-            let ks: [&[f32]; 8] = std::array::from_fn(|j| heads.k(p0 + j.min(m - 1)));
-            for (d, &x) in q.iter().enumerate() {
-                for j in 0..8 {
-                    acc[j] = ks[j][d].mul_add(x, acc[j]);
+        // simd_gemm: one FMA chain over the head dimension per score, then the scale; eight
+        // keys per vector from the transposed keys (groups of 8 aligned inside the tile).
+        let (g_lo, g_hi) = (a / 8, b / 8);
+        let mut g = g_lo;
+        while g <= g_hi {
+            let k = (g_hi + 1 - g).min(4);
+            let mut acc = [[0f32; 8]; 4];
+            scores8xk(q, heads, g, k, &mut acc);
+            for (i, row) in acc[..k].iter().enumerate() {
+                for (j, &sc) in row.iter().enumerate() {
+                    let p = 8 * (g + i) + j;
+                    if (a..=b).contains(&p) {
+                        kq[p - base] = sc * scale;
+                    }
                 }
             }
-            for j in 0..m {
-                kq[p0 + j - base] = acc[j] * scale;
-            }
-            p0 += m;
+            g += k;
         }
         let mut tile_max = f32::NEG_INFINITY;
         for &s in &kq[a - base..=b - base] {
@@ -546,6 +589,51 @@ fn tiled(
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
     for (r, &a) in res.iter_mut().zip(&scratch.acc) {
         *r = a * inv;
+    }
+}
+
+/// The scores of the `k` (1..=4) groups of eight keys from group `g` on: `acc[i][j] = Σ_d
+/// key[8(g + i) + j][d] · q[d]`, each one FMA chain in `d` order (`acc = fma(k, q, acc)`), read
+/// from the transposed keys.
+#[inline(always)]
+fn scores8xk(q: &[f32], heads: &Heads<'_>, g: usize, k: usize, acc: &mut [[f32; 8]; 4]) {
+    let kts: [&[f32]; 4] = std::array::from_fn(|i| heads.kt(g + i.min(k - 1)));
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar {
+        // SAFETY: a non-scalar level means AVX2 and FMA were detected; each `kt` slice holds
+        // 8 values per element of `q` (`Heads::kt`).
+        unsafe { scores_avx2(q, &kts, acc) };
+        return;
+    }
+    for (kt, a) in kts.iter().zip(acc.iter_mut()) {
+        for (d, &x) in q.iter().enumerate() {
+            for j in 0..8 {
+                a[j] = kt[8 * d + j].mul_add(x, a[j]);
+            }
+        }
+    }
+}
+
+/// [`scores8xk`] with AVX2 for all four groups at once (independent chains; lane `j` of vector
+/// `i` is key `8(g + i) + j`).
+///
+/// # Safety
+/// AVX2 and FMA are available; every `kt[i].len() >= 8 * q.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores_avx2(q: &[f32], kt: &[&[f32]; 4], acc: &mut [[f32; 8]; 4]) {
+    use std::arch::x86_64::*;
+    let n = q.len();
+    assert!(kt.iter().all(|k| k.len() >= 8 * n));
+    let mut c = [_mm256_setzero_ps(); 4];
+    for (d, &x) in q.iter().enumerate() {
+        let xv = _mm256_set1_ps(x);
+        for i in 0..4 {
+            c[i] = _mm256_fmadd_ps(_mm256_loadu_ps(kt[i].as_ptr().add(8 * d)), xv, c[i]);
+        }
+    }
+    for i in 0..4 {
+        _mm256_storeu_ps(acc[i].as_mut_ptr(), c[i]);
     }
 }
 
