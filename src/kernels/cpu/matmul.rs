@@ -24,6 +24,7 @@ use crate::format::GgmlType;
 use crate::kernels::cpu::backend::{CpuAct, CpuWeight};
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::q6k_x8;
+use crate::kernels::cpu::q80_gemm;
 use crate::kernels::cpu::simd;
 use crate::quant::Q8Variant;
 
@@ -66,6 +67,9 @@ pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct) {
         quantize_rows(pool, w.ty, x, a_bytes, xq);
         if let Some(packed) = w.packed_q4k(pool) {
             crate::kernels::cpu::q4k_x8::matmul(pool, packed, rows, cols, xq, n, &mut out.data);
+        } else if q80_gemm::applies(w.ty, cols, n) {
+            let done = q80_gemm::matmul(pool, w.ty, w.bytes(), rows, cols, xq, n, &mut out.data);
+            matmul_rows(pool, w, xq, a_bytes, n, done, out);
         } else if w.ty == GgmlType::Q6K && q6k_x8::applies(rows, cols, n) {
             let done = q6k_x8::matmul(pool, w.bytes(), rows, cols, xq, n, &mut out.data);
             matmul_rows(pool, w, xq, a_bytes, n, done, out);

@@ -9,4 +9,5 @@ pub mod ops;
 pub mod pool;
 pub mod q4k_x8;
 pub mod q6k_x8;
+pub mod q80_gemm;
 pub mod simd;

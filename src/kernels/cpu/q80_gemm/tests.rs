@@ -1,0 +1,55 @@
+//! The panel GEMM against the type's `simd` dot kernel, bit for bit.
+
+use super::*;
+use crate::quant::{quantize_activations, quantize_row};
+
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            ((s >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 4.0
+        })
+        .collect()
+}
+
+#[test]
+fn gemm_equals_dot_bit_for_bit() {
+    let (rows, cols) = (10, 320);
+    for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
+        let Some(k) = crate::kernels::cpu::simd::kernels(ty) else {
+            return;
+        };
+        let mut w = Vec::new();
+        let mut tmp = Vec::new();
+        for r in 0..rows {
+            quantize_row(ty, &data(cols, 50 + r as u32), &mut tmp).unwrap();
+            w.extend_from_slice(&tmp);
+        }
+        let rb = tmp.len();
+        for n in [2, 3, 4, 7] {
+            let mut a = Vec::new();
+            for t in 0..n {
+                quantize_activations(ty, &data(cols, 900 + t as u32), &mut tmp).unwrap();
+                a.extend_from_slice(&tmp);
+            }
+            let ab = tmp.len();
+            let pool = ThreadPool::new(2);
+            let mut out = vec![f32::NAN; n * rows];
+            let done = matmul(&pool, ty, &w, rows, cols, &a, n, &mut out);
+            assert_eq!(done, 8);
+            for t in 0..n {
+                for r in 0..done {
+                    let want = (k.dot)(cols, &w[r * rb..(r + 1) * rb], &a[t * ab..(t + 1) * ab]);
+                    let got = out[t * rows + r];
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{} n={n} t={t} r={r}",
+                        ty.name()
+                    );
+                }
+            }
+        }
+    }
+}
