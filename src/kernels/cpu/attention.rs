@@ -579,7 +579,21 @@ fn tiled(
         }
         m = m_new;
         sum = (sum as f64 + soft_max(&mut kq, m_new, isa)) as f32;
-        for p in a..=b {
+        // V: one FMA chain per output element in position order; four positions per pass so
+        // the accumulator is loaded and stored once per four multiply-adds.
+        let mut p = a;
+        while p + 3 <= b {
+            let (v0, v1, v2, v3) = (heads.v(p), heads.v(p + 1), heads.v(p + 2), heads.v(p + 3));
+            let pr: [f32; 4] = std::array::from_fn(|i| kq[p + i - base]);
+            for (d, acc) in scratch.acc.iter_mut().enumerate() {
+                let x = v0[d].mul_add(pr[0], *acc);
+                let x = v1[d].mul_add(pr[1], x);
+                let x = v2[d].mul_add(pr[2], x);
+                *acc = v3[d].mul_add(pr[3], x);
+            }
+            p += 4;
+        }
+        for p in p..=b {
             let pr = kq[p - base];
             for (acc, &v) in scratch.acc.iter_mut().zip(heads.v(p)) {
                 *acc = v.mul_add(pr, *acc);
