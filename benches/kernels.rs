@@ -12,6 +12,9 @@
 //! the kernel's compute ceiling; the `dot cold` line streams a 256 MiB set of matrices, which is what
 //! decoding a real model does (memory-bound). Each figure is the best of several timed repetitions.
 //!
+//! Then the whole-matrix paths the engine uses for that type (`x8 matmul`, `panel matmul`,
+//! `dot_rows`), single-threaded, with the same GB/s and GOP/s columns.
+//!
 //! Run: `cargo bench --bench kernels [-- TYPE...]` (types by ggml name, e.g. `q4_K q6_K`; default:
 //! all types with a kernel). `INFER_SIMD` does not apply: every available level is measured.
 
@@ -228,6 +231,7 @@ fn main() {
             let per = Duration::from_secs_f64(t.as_secs_f64() / count as f64);
             report(&format!("{} dot cold", level.name()), &d, per, 1, None);
         }
+        matrix_kernels(ty, &d, budget, sdot);
         if ty == GgmlType::Q4K {
             // The GEMM-structure flavour llama.cpp uses for groups of four rows.
             let twin = Kernels {
@@ -247,5 +251,65 @@ fn main() {
                 }
             }
         }
+    }
+}
+
+/// The whole-matrix paths the engine runs (one thread): x8-packed Q4_K (GEMV for one row, GEMM for
+/// groups of four), the Q6_K panel GEMM, the four-row Q8_0/Q5_0 decode kernel and their panel GEMM.
+fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
+    use infer::kernels::cpu::{pool::ThreadPool, q4k_x8, q6k_x8, q80_gemm};
+    let pool = ThreadPool::new(1);
+    let rows = d.rows();
+    let acts = |m: usize| -> Vec<u8> {
+        (0..m)
+            .flat_map(|j| d.acts[(j % 16) * d.act_bytes..(j % 16 + 1) * d.act_bytes].to_vec())
+            .collect()
+    };
+    let base = |m: usize| Some(Duration::from_secs_f64(sdot.as_secs_f64() * m as f64));
+    match ty {
+        GgmlType::Q4K => {
+            let packed = q4k_x8::pack(&pool, &d.w, rows, COLS);
+            for m in [1, 4, 16, 64] {
+                let (xq, mut out) = (acts(m), vec![0f32; m * rows]);
+                let t = best(budget, || {
+                    q4k_x8::matmul(&pool, &packed, rows, COLS, &xq, m, &mut out);
+                    black_box(&out);
+                });
+                report(&format!("x8 matmul m{m}"), d, t, m, base(m));
+            }
+        }
+        GgmlType::Q6K => {
+            for m in [8, 16, 64] {
+                let (xq, mut out) = (acts(m), vec![0f32; m * rows]);
+                let t = best(budget, || {
+                    q6k_x8::matmul(&pool, &d.w, rows, COLS, &xq, m, &mut out);
+                    black_box(&out);
+                });
+                report(&format!("panel matmul m{m}"), d, t, m, base(m));
+            }
+        }
+        GgmlType::Q8_0 | GgmlType::Q5_0 => {
+            if let Some(rows_fn) = infer::kernels::cpu::simd::dot_rows(ty) {
+                let mut out = vec![0f32; rows];
+                let a = &d.acts[..d.act_bytes];
+                let t = best(budget, || {
+                    rows_fn(COLS, &d.w, d.row_bytes, a, &mut out);
+                    black_box(&out);
+                });
+                report("dot_rows (4 rows)", d, t, 1, base(1));
+            }
+            for m in [4, 16, 64] {
+                if !q80_gemm::applies(ty, COLS, m) {
+                    continue;
+                }
+                let (xq, mut out) = (acts(m), vec![0f32; m * rows]);
+                let t = best(budget, || {
+                    q80_gemm::matmul(&pool, ty, &d.w, rows, COLS, &xq, m, &mut out);
+                    black_box(&out);
+                });
+                report(&format!("panel matmul m{m}"), d, t, m, base(m));
+            }
+        }
+        _ => {}
     }
 }

@@ -16,6 +16,44 @@ fn hsum_float_8(x: __m256) -> f32 {
     _mm_cvtss_f32(r)
 }
 
+/// Unpacks one weight block at `x` (Q8_0 when `q5` is false, else Q5_0) into the panel slot at
+/// `o`: `d` as f32, the 32 signed values, their absolute values (as the scalar `pack_group`).
+///
+/// # Safety
+/// AVX2, FMA and F16C are available; `x` points at one block of the type, `o` at `SLOT` writable
+/// bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn pack_block(x: *const u8, q5: bool, o: *mut u8) {
+    let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+        x.cast::<u16>().read_unaligned() as i32,
+    )));
+    o.cast::<f32>().write_unaligned(d);
+    let q = if q5 {
+        // ggml's Q5_0 unpack: nibbles (low half first), 0xF0 where the fifth bit is clear.
+        let qh = x.add(2).cast::<u32>().read_unaligned() as i32;
+        let shuf = _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        );
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh), shuf);
+        let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+        let bits = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+        let hi = _mm256_andnot_si256(bits, _mm256_set1_epi8(-16));
+        let t = _mm_loadu_si128(x.add(6).cast());
+        let nib = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16::<4>(t), t),
+            _mm256_set1_epi8(0xF),
+        );
+        _mm256_or_si256(nib, hi)
+    } else {
+        _mm256_loadu_si256(x.add(2).cast())
+    };
+    _mm256_storeu_si256(o.add(16).cast(), q);
+    _mm256_storeu_si256(o.add(48).cast(), _mm256_sign_epi8(q, q));
+}
+
 /// # Safety
 /// AVX2, FMA and F16C are available; `panel` holds `nb` blocks of four rows; `a + j * stride`
 /// (`j < m`) `nb` Q8_0 blocks and `da + j * nb` `nb` scales; `1 <= m <= 3`.
@@ -50,20 +88,31 @@ unsafe fn tile_m<const M: usize>(
     let mut acc = [[_mm256_setzero_ps(); GROUP]; M];
     for b in 0..nb {
         let p = panel.add(b * GROUP * SLOT);
-        let mut dj = [0f32; M];
+        // d_w · d_a for every (row, activation row) of the block, rounded as the kernels do,
+        // read back below as broadcasts from memory.
+        let dw = _mm_setr_ps(
+            *p.cast::<f32>(),
+            *p.add(SLOT).cast::<f32>(),
+            *p.add(2 * SLOT).cast::<f32>(),
+            *p.add(3 * SLOT).cast::<f32>(),
+        );
+        let mut dd = [[0f32; GROUP]; M];
         for j in 0..M {
-            dj[j] = *da.add(j * nb + b);
+            _mm_storeu_ps(
+                dd[j].as_mut_ptr(),
+                _mm_mul_ps(dw, _mm_set1_ps(*da.add(j * nb + b))),
+            );
         }
+        let dd = std::hint::black_box(&dd);
         for r in 0..GROUP {
             let s = p.add(r * SLOT);
             let qx = _mm256_loadu_si256(s.add(16).cast());
             let ax = _mm256_loadu_si256(s.add(48).cast());
-            let dw = *s.cast::<f32>();
             for j in 0..M {
                 let y = _mm256_loadu_si256(a.add(j * stride + b * A_BYTES + 2).cast());
                 let dot =
                     _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, qx)), ones);
-                let d = _mm256_set1_ps(dw * dj[j]);
+                let d = _mm256_broadcast_ss(&dd[j][r]);
                 acc[j][r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), acc[j][r]);
             }
         }

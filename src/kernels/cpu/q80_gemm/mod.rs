@@ -31,16 +31,46 @@ const A_BYTES: usize = 34;
 /// Activation rows per register tile.
 const TILE_M: usize = 3;
 
+/// Activation rows from which unpacking the panel pays for itself (below, the per-row `tile`
+/// kernels are as fast: `cargo bench --bench kernels -- q5_0 q8_0`).
+const MIN_ROWS: usize = 16;
+
 /// Whether this path takes a `ty` matrix with `n` activation rows on this CPU.
 pub fn applies(ty: GgmlType, cols: usize, n: usize) -> bool {
     matches!(ty, GgmlType::Q8_0 | GgmlType::Q5_0)
-        && n >= 2
+        && n >= MIN_ROWS
         && cols % 32 == 0
         && crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar
 }
 
 /// Unpacks `GROUP` rows (`src`, `row_bytes` each, `nb` blocks of type `ty`) into `panel`.
 fn pack_group(ty: GgmlType, src: &[u8], row_bytes: usize, nb: usize, panel: &mut [u8]) {
+    let wb = row_bytes / nb;
+    assert!(src.len() >= GROUP * row_bytes && panel.len() >= nb * GROUP * SLOT);
+    #[cfg(target_arch = "x86_64")]
+    {
+        let q5 = ty == GgmlType::Q5_0;
+        for b in 0..nb {
+            for r in 0..GROUP {
+                // SAFETY: `applies` admitted this call only at a non-scalar level (AVX2, FMA,
+                // F16C); block (r, b) lies inside `src` and its slot inside `panel` (asserted).
+                unsafe {
+                    avx2::pack_block(
+                        src.as_ptr().add(r * row_bytes + b * wb),
+                        q5,
+                        panel.as_mut_ptr().add((b * GROUP + r) * SLOT),
+                    )
+                };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    pack_group_scalar(ty, src, row_bytes, nb, panel);
+}
+
+/// The scalar twin of the AVX2 block unpacking (tests hold the two to each other).
+#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
+fn pack_group_scalar(ty: GgmlType, src: &[u8], row_bytes: usize, nb: usize, panel: &mut [u8]) {
     let wb = row_bytes / nb;
     for b in 0..nb {
         for r in 0..GROUP {

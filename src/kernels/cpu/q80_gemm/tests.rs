@@ -27,7 +27,7 @@ fn gemm_equals_dot_bit_for_bit() {
             w.extend_from_slice(&tmp);
         }
         let rb = tmp.len();
-        for n in [2, 3, 4, 7] {
+        for n in [16, 17, 18, 35] {
             let mut a = Vec::new();
             for t in 0..n {
                 quantize_activations(ty, &data(cols, 900 + t as u32), &mut tmp).unwrap();
@@ -50,6 +50,31 @@ fn gemm_equals_dot_bit_for_bit() {
                     );
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn simd_pack_equals_scalar_pack() {
+    let cols = 96;
+    for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
+        if !applies(ty, cols, MIN_ROWS) {
+            return;
+        }
+        let mut w = Vec::new();
+        let mut tmp = Vec::new();
+        for r in 0..GROUP {
+            quantize_row(ty, &data(cols, 7 + r as u32), &mut tmp).unwrap();
+            w.extend_from_slice(&tmp);
+        }
+        let (rb, nb) = (tmp.len(), cols / 32);
+        let mut a = vec![0u8; nb * GROUP * SLOT];
+        let mut b = vec![0u8; nb * GROUP * SLOT];
+        pack_group(ty, &w, rb, nb, &mut a);
+        pack_group_scalar(ty, &w, rb, nb, &mut b);
+        for (i, (x, y)) in a.chunks(SLOT).zip(b.chunks(SLOT)).enumerate() {
+            assert_eq!(x[..4], y[..4], "{} slot {i} d", ty.name());
+            assert_eq!(x[16..], y[16..], "{} slot {i} values", ty.name());
         }
     }
 }
