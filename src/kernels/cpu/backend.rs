@@ -1,6 +1,7 @@
 //! The CPU implementation of `model::Backend`. Weights stay zero-copy views into the memory-mapped
-//! file; activations are plain `Vec<f32>`; the KV cache is paged f16 storage. Every op that touches a
-//! matrix splits its output rows across the persistent thread pool; no op allocates per row.
+//! file; activations are plain `Vec<f32>`; the KV cache is paged f16 storage (f32 for models computed
+//! in f32, see `attention_f32`). Every op that touches a matrix splits its output rows across the
+//! persistent thread pool; no op allocates per row.
 
 use std::sync::{Arc, OnceLock};
 
@@ -10,11 +11,12 @@ use half::slice::HalfFloatSliceExt;
 
 use crate::format::{GgmlType, Gguf};
 use crate::kernels::cpu::attention;
+use crate::kernels::cpu::attention_f32::{self, KvF32};
 use crate::kernels::cpu::matmul;
 use crate::kernels::cpu::ops;
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::q4k_x8;
-use crate::model::backend::{AttnQuery, AttnShape, Backend, Rope, WeightSource};
+use crate::model::backend::{AttnQuery, AttnShape, Backend, KvType, Rope, WeightSource};
 use crate::model::config::Activation;
 
 /// A weight matrix viewed in place in the mapped file.
@@ -25,6 +27,8 @@ pub struct CpuWeight {
     pub rows: usize,
     pub cols: usize,
     pub row_bytes: usize,
+    /// Where the matrix starts in the tensor's data (a row range of a fused or stacked tensor).
+    offset: usize,
     /// The x8-repacked copy of a Q4_K matrix, built on its first matmul (`q4k_x8`); embedding
     /// tables are read from the file and never packed.
     packed: OnceLock<Vec<u8>>,
@@ -32,7 +36,8 @@ pub struct CpuWeight {
 
 impl CpuWeight {
     pub fn bytes(&self) -> &[u8] {
-        self.file.tensor_data(&self.file.tensors[self.index])
+        let data = self.file.tensor_data(&self.file.tensors[self.index]);
+        &data[self.offset..self.offset + self.rows * self.row_bytes]
     }
 
     /// The x8-packed Q4_K bytes, packing on first use; `None` for other types and shapes.
@@ -67,6 +72,8 @@ pub struct CpuKv {
     pub v: Vec<Vec<f16>>, // (n_layer, n_blocks * block_size * kv_dim)
     pub block_size: usize,
     pub kv_dim: usize,
+    /// The f32 storage instead (`k` and `v` are then empty), for `KvType::F32`.
+    pub f32: Option<KvF32>,
 }
 
 /// A raw pointer to f32 data shared across the pool's threads, each writing disjoint elements.
@@ -85,11 +92,39 @@ pub struct CpuBackend {
     pub pool: ThreadPool,
 }
 
+/// Elements per piece of the element-wise ops when they are split across threads.
+const ELEMWISE_CHUNK: usize = 4096;
+/// Below this many elements an element-wise or row-wise op runs on the calling thread alone (a
+/// dispatch costs more than it saves; this keeps decode's small ops serial).
+const PAR_MIN: usize = 16 * 1024;
+
 impl CpuBackend {
     pub fn new(n_threads: usize) -> CpuBackend {
         CpuBackend {
             pool: ThreadPool::new(n_threads.max(1)),
         }
+    }
+
+    /// Runs `f(i, piece)` for every piece `i` of `data` cut into `chunk`-element pieces (the last
+    /// may be shorter), across the pool when `data` is large enough. Each piece is handed to
+    /// exactly one call.
+    fn par_chunks(&self, data: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+        let len = data.len();
+        let pieces = len.div_ceil(chunk.max(1));
+        if len < PAR_MIN || pieces < 2 {
+            data.chunks_mut(chunk.max(1)).enumerate().for_each(|(i, c)| f(i, c));
+            return;
+        }
+        let p = SharedF32(data.as_mut_ptr());
+        self.pool.for_range(pieces, 1, |range| {
+            for i in range {
+                let (lo, hi) = (i * chunk, ((i + 1) * chunk).min(len));
+                // SAFETY: piece i is elements lo..hi of `data`, disjoint from every other piece
+                // and handed to one call only; the pool joins before `data` is used again.
+                let c = unsafe { std::slice::from_raw_parts_mut(p.ptr().add(lo), hi - lo) };
+                f(i, c);
+            }
+        });
     }
 }
 
@@ -128,6 +163,13 @@ impl Backend for CpuBackend {
                 row_bytes * src.rows
             );
         }
+        let data = src.file.tensor_data(&src.file.tensors[src.index]);
+        let Some(offset) = (src.bytes.as_ptr() as usize)
+            .checked_sub(data.as_ptr() as usize)
+            .filter(|o| data.len().checked_sub(*o) >= Some(src.bytes.len()))
+        else {
+            bail!("the bytes of `{}` are not inside its tensor's data", src.name);
+        };
         Ok(CpuWeight {
             file: Arc::clone(src.file),
             index: src.index,
@@ -135,6 +177,7 @@ impl Backend for CpuBackend {
             rows: src.rows,
             cols: src.cols,
             row_bytes,
+            offset,
             packed: OnceLock::new(),
         })
     }
@@ -149,17 +192,28 @@ impl Backend for CpuBackend {
         n_blocks: usize,
         block_size: usize,
         kv_dim: usize,
+        kv_type: KvType,
     ) -> Result<CpuKv> {
         let per_layer = n_blocks
             .checked_mul(block_size)
             .and_then(|v| v.checked_mul(kv_dim))
             .ok_or_else(|| anyhow::anyhow!("KV cache size overflows"))?;
+        if kv_type == KvType::F32 {
+            return Ok(CpuKv {
+                k: Vec::new(),
+                v: Vec::new(),
+                block_size,
+                kv_dim,
+                f32: Some(KvF32::new(n_layer, per_layer)),
+            });
+        }
         let zero = f16::from_f32(0.0);
         Ok(CpuKv {
             k: (0..n_layer).map(|_| vec![zero; per_layer]).collect(),
             v: (0..n_layer).map(|_| vec![zero; per_layer]).collect(),
             block_size,
             kv_dim,
+            f32: None,
         })
     }
 
@@ -189,21 +243,25 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &CpuAct, w: &Vec<f32>, eps: f32, out: &mut CpuAct) {
-        for (xs, ys) in x
-            .data
-            .chunks_exact(w.len())
-            .zip(out.data.chunks_exact_mut(w.len()))
-        {
-            ops::rms_norm(xs, w, eps, ys);
-        }
+        let n = w.len();
+        self.par_chunks(&mut out.data, n, |i, ys| {
+            ops::rms_norm(&x.data[i * n..(i + 1) * n], w, eps, ys)
+        });
     }
 
     fn rms_norm_inplace(&self, x: &mut CpuAct, w: &Vec<f32>, eps: f32) {
-        let mut tmp = vec![0f32; w.len()];
-        for xs in x.data.chunks_exact_mut(w.len()) {
-            ops::rms_norm(xs, w, eps, &mut tmp);
-            xs.copy_from_slice(&tmp);
-        }
+        let n = w.len();
+        self.par_chunks(&mut x.data, n, |_, xs| {
+            let mut tmp = [0f32; 1024];
+            if n <= tmp.len() {
+                ops::rms_norm(xs, w, eps, &mut tmp[..n]);
+                xs.copy_from_slice(&tmp[..n]);
+            } else {
+                let mut tmp = vec![0f32; n];
+                ops::rms_norm(xs, w, eps, &mut tmp);
+                xs.copy_from_slice(&tmp);
+            }
+        });
     }
 
     fn matmul(&self, w: &CpuWeight, x: &CpuAct, bias: Option<&Vec<f32>>, out: &mut CpuAct) {
@@ -217,22 +275,34 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rope(&self, x: &mut CpuAct, positions: &[u32], rope: Rope) {
-        let mut cache = vec![0f32; rope.head_dim];
-        for (row, &pos) in x.data.chunks_exact_mut(x.cols).zip(positions) {
-            ops::rope_cache(pos, rope.base, rope.head_dim, &mut cache);
+    fn rope(&self, x: &mut CpuAct, positions: &[u32], rope: Rope, ff: Option<&Vec<f32>>) {
+        let cols = x.cols;
+        self.par_chunks(&mut x.data, cols, |i, row| {
+            let mut cache = vec![0f32; rope.head_dim];
+            match ff {
+                Some(ff) => {
+                    ops::rope_cache_scaled(positions[i], rope.base, rope.head_dim, ff, &mut cache)
+                }
+                None => ops::rope_cache(positions[i], rope.base, rope.head_dim, &mut cache),
+            }
             for head in row.chunks_exact_mut(rope.head_dim) {
                 ops::rope_head(head, &cache, rope.style);
             }
-        }
+        });
     }
 
     fn scale(&self, x: &mut CpuAct, s: f32) {
-        x.data.iter_mut().for_each(|v| *v *= s);
+        self.par_chunks(&mut x.data, ELEMWISE_CHUNK, |_, c| {
+            c.iter_mut().for_each(|v| *v *= s)
+        });
     }
 
     fn add(&self, x: &mut CpuAct, y: &CpuAct) {
-        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+        assert_eq!(x.data.len(), y.data.len(), "add: shapes differ");
+        self.par_chunks(&mut x.data, ELEMWISE_CHUNK, |i, c| {
+            let ys = &y.data[i * ELEMWISE_CHUNK..i * ELEMWISE_CHUNK + c.len()];
+            c.iter_mut().zip(ys).for_each(|(a, b)| *a += b)
+        });
     }
 
     fn glu(&self, gate: &mut CpuAct, up: &CpuAct, act: Activation) {
@@ -259,6 +329,9 @@ impl Backend for CpuBackend {
     }
 
     fn kv_write(&self, kv: &mut CpuKv, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[usize]) {
+        if let Some(kv32) = &mut kv.f32 {
+            return kv32.write(layer, k, v, slots);
+        }
         let d = kv.kv_dim;
         for (i, &slot) in slots.iter().enumerate() {
             kv.k[layer][slot * d..(slot + 1) * d].convert_from_f32_slice(k.row(i));
@@ -275,7 +348,18 @@ impl Backend for CpuBackend {
         shape: AttnShape,
         out: &mut CpuAct,
     ) {
+        if let Some(kv32) = &kv.f32 {
+            let bs = kv.block_size;
+            return attention_f32::attention(&self.pool, q, kv32, layer, bs, queries, shape, out);
+        }
         attention::attention(&self.pool, q, kv, layer, queries, shape, out);
+    }
+
+    fn add_rows_scaled(&self, x: &mut CpuAct, y: &CpuAct, rows: &[usize], scales: &[f32]) {
+        for ((i, &r), &s) in rows.iter().enumerate().zip(scales) {
+            let xs = &mut x.data[r * x.cols..(r + 1) * x.cols];
+            xs.iter_mut().zip(y.row(i)).for_each(|(a, &b)| *a += s * b);
+        }
     }
 
     fn gather_rows(&self, x: &CpuAct, rows: &[usize]) -> CpuAct {
