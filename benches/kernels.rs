@@ -272,7 +272,7 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
             for m in [1, 4, 16, 64] {
                 let (xq, mut out) = (acts(m), vec![0f32; m * rows]);
                 let t = best(budget, || {
-                    q4k_x8::matmul(&pool, &packed, rows, COLS, &xq, m, &mut out);
+                    q4k_x8::matmul(&pool, &packed, rows, COLS, &xq, m, true, &mut out);
                     black_box(&out);
                 });
                 report(&format!("x8 matmul m{m}"), d, t, m, base(m));

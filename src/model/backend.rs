@@ -64,6 +64,13 @@ pub trait Backend {
 
     fn name(&self) -> &'static str;
 
+    /// Row-invariant numerics: while on, every row of a multi-row forward is computed with exactly
+    /// the arithmetic a one-row forward would use for it (speculative verification relies on this
+    /// so that its greedy output equals plain decoding). Off by default: multi-row calls may then
+    /// use faster kernels with another float accumulation order. A backend whose kernels never
+    /// depend on the row count may ignore it.
+    fn set_row_invariant(&self, _on: bool) {}
+
     fn load_weight(&self, src: &WeightSource<'_>) -> Result<Self::Weight>;
     fn load_vector(&self, data: &[f32]) -> Result<Self::Vector>;
     fn alloc_kv(

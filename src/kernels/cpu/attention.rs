@@ -210,7 +210,8 @@ impl Heads<'_> {
 
 /// Causal attention of each query row (`q`: rows × n_head·head_dim, already rotated and, for
 /// gemma, scaled) over its sequence's cached keys `lo..=pos`, written to `out` (same shape), with
-/// the kernel llama.cpp would use for a forward of `queries.len()` rows.
+/// the kernel llama.cpp would use for a forward of `queries.len()` rows — or, with `invariant`,
+/// for each row the kernel a one-row forward would use.
 pub fn attention(
     pool: &ThreadPool,
     q: &CpuAct,
@@ -219,6 +220,7 @@ pub fn attention(
     queries: &[AttnQuery<'_>],
     shape: AttnShape,
     out: &mut CpuAct,
+    invariant: bool,
 ) {
     let hd = shape.head_dim;
     let group = shape.n_head / shape.n_head_kv;
@@ -238,6 +240,22 @@ pub fn attention(
     } else {
         Path::OneChunk
     };
+    // Row-invariant mode: each query takes the path a one-row call for it alone would take.
+    let path_of = |qa: &AttnQuery<'_>| {
+        if !invariant {
+            return path;
+        }
+        let n_kv = (qa.pos as usize + 1).div_ceil(KV_PAD) * KV_PAD;
+        if n_kv >= SPLIT_KV_MIN {
+            Path::Split {
+                chunk: n_kv.div_ceil(llamacpp_threads()),
+                n_kv,
+            }
+        } else {
+            Path::OneChunk
+        }
+    };
+    let tiled = !invariant && path == Path::Tiled;
     // Widen each sequence's keys and values once (queries of one sequence share a block table).
     let mut seqs: Vec<(usize, SeqKv)> = Vec::new();
     let mut seq_of = Vec::with_capacity(queries.len());
@@ -254,7 +272,7 @@ pub fn attention(
                 let lo = same().map(|o| o.lo as usize).min().unwrap_or(0);
                 let hi = same().map(|o| o.pos as usize).max().unwrap_or(0);
                 let mut seq = SeqKv::new(kv, layer, qa.block_table, lo, hi);
-                if path == Path::Tiled {
+                if tiled {
                     seq.transpose_keys(kv.kv_dim, hd);
                 }
                 seqs.push((id, seq));
@@ -280,7 +298,7 @@ pub fn attention(
             };
             let qrow = &q.row(i)[h * hd..(h + 1) * hd];
             let unit = Unit {
-                path,
+                path: path_of(qa),
                 lo: qa.lo as usize,
                 pos: qa.pos as usize,
                 scale: shape.scale,

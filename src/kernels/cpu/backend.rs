@@ -3,6 +3,7 @@
 //! in f32, see `attention_f32`). Every op that touches a matrix splits its output rows across the
 //! persistent thread pool; no op allocates per row.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use anyhow::{bail, Result};
@@ -90,6 +91,8 @@ impl SharedF32 {
 
 pub struct CpuBackend {
     pub pool: ThreadPool,
+    /// See `Backend::set_row_invariant`.
+    row_invariant: AtomicBool,
 }
 
 /// Elements per piece of the element-wise ops when they are split across threads.
@@ -102,6 +105,7 @@ impl CpuBackend {
     pub fn new(n_threads: usize) -> CpuBackend {
         CpuBackend {
             pool: ThreadPool::new(n_threads.max(1)),
+            row_invariant: AtomicBool::new(false),
         }
     }
 
@@ -136,6 +140,10 @@ impl Backend for CpuBackend {
 
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn set_row_invariant(&self, on: bool) {
+        self.row_invariant.store(on, Ordering::Relaxed);
     }
 
     fn load_weight(&self, src: &WeightSource<'_>) -> Result<CpuWeight> {
@@ -267,7 +275,7 @@ impl Backend for CpuBackend {
     fn matmul(&self, w: &CpuWeight, x: &CpuAct, bias: Option<&Vec<f32>>, out: &mut CpuAct) {
         debug_assert_eq!(x.cols, w.cols);
         debug_assert_eq!(out.cols, w.rows);
-        matmul::matmul(&self.pool, w, x, out);
+        matmul::matmul(&self.pool, w, x, out, self.row_invariant.load(Ordering::Relaxed));
         if let Some(b) = bias {
             for row in out.data.chunks_exact_mut(w.rows) {
                 row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
@@ -352,7 +360,8 @@ impl Backend for CpuBackend {
             let bs = kv.block_size;
             return attention_f32::attention(&self.pool, q, kv32, layer, bs, queries, shape, out);
         }
-        attention::attention(&self.pool, q, kv, layer, queries, shape, out);
+        let invariant = self.row_invariant.load(Ordering::Relaxed);
+        attention::attention(&self.pool, q, kv, layer, queries, shape, out, invariant);
     }
 
     fn add_rows_scaled(&self, x: &mut CpuAct, y: &CpuAct, rows: &[usize], scales: &[f32]) {

@@ -55,8 +55,9 @@ impl SharedOut {
 /// Activation rows per tile call (the kernels take up to four rows at once).
 const TILE: usize = 4;
 
-/// out (n × rows) = x (n × cols) · Wᵀ.
-pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct) {
+/// out (n × rows) = x (n × cols) · Wᵀ. With `invariant`, every row is computed as a one-row call
+/// would compute it (no GEMM flavours), so results do not depend on `n`.
+pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct, invariant: bool) {
     let (n, cols, rows) = (x.rows, w.cols, w.rows);
     assert_eq!(x.cols, cols, "matmul input width");
     assert_eq!((out.rows, out.cols), (n, rows), "matmul output shape");
@@ -66,15 +67,16 @@ pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct) {
     XQ.with_borrow_mut(|xq| {
         quantize_rows(pool, w.ty, x, a_bytes, xq);
         if let Some(packed) = w.packed_q4k(pool) {
-            crate::kernels::cpu::q4k_x8::matmul(pool, packed, rows, cols, xq, n, &mut out.data);
+            let gemm = !invariant;
+            crate::kernels::cpu::q4k_x8::matmul(pool, packed, rows, cols, xq, n, gemm, &mut out.data);
         } else if q80_gemm::applies(w.ty, cols, n) {
             let done = q80_gemm::matmul(pool, w.ty, w.bytes(), rows, cols, xq, n, &mut out.data);
-            matmul_rows(pool, w, xq, a_bytes, n, done, out);
-        } else if w.ty == GgmlType::Q6K && q6k_x8::applies(rows, cols, n) {
+            matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
+        } else if !invariant && w.ty == GgmlType::Q6K && q6k_x8::applies(rows, cols, n) {
             let done = q6k_x8::matmul(pool, w.bytes(), rows, cols, xq, n, &mut out.data);
-            matmul_rows(pool, w, xq, a_bytes, n, done, out);
+            matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
         } else {
-            matmul_rows(pool, w, xq, a_bytes, n, 0, out);
+            matmul_rows(pool, w, xq, a_bytes, n, 0, out, invariant);
         }
     });
 }
@@ -121,7 +123,7 @@ impl SharedBytes {
 }
 
 /// The unpacked path: every weight row from `first_row` on against the activation rows in tiles
-/// of four.
+/// of four (`invariant`: no GEMM flavours, each row as a one-row call computes it).
 fn matmul_rows(
     pool: &ThreadPool,
     w: &CpuWeight,
@@ -130,6 +132,7 @@ fn matmul_rows(
     n: usize,
     first_row: usize,
     out: &mut CpuAct,
+    invariant: bool,
 ) {
     let (cols, rows) = (w.cols, w.rows);
     if n == 1 {
@@ -148,8 +151,12 @@ fn matmul_rows(
     // matmul (`ggml_compute_forward_mul_mat_tiled`): one exact integer sum per block,
     // `acc = fma(d_w · isum, d_a, acc)`.
     let repacked = w.ty == GgmlType::Q4K && rows % 8 == 0;
-    let gemm_rows = if repacked && n > 3 { n - n % 4 } else { 0 };
-    let tiled = w.ty == GgmlType::Q6K && n >= 8;
+    let gemm_rows = if repacked && n > 3 && !invariant {
+        n - n % 4
+    } else {
+        0
+    };
+    let tiled = w.ty == GgmlType::Q6K && n >= 8 && !invariant;
     let wb = w.bytes();
     let rb = w.row_bytes;
     let dst = SharedOut(out.data.as_mut_ptr());

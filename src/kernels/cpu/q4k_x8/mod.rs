@@ -127,9 +127,9 @@ fn rows_per_chunk(a_row_bytes: usize) -> usize {
 }
 
 /// `out (n × rows) = x · Wᵀ` for a packed Q4_K matrix `packed` (`rows × cols`) and `n`
-/// activation rows already quantized to Q8_K (`xq`: `n` rows of `cols / 256` blocks). Whole
-/// groups of four rows take the GEMM flavour when `n >= 4`, the rest the GEMV flavour — as
-/// llama.cpp splits them.
+/// activation rows already quantized to Q8_K (`xq`: `n` rows of `cols / 256` blocks). With `gemm`,
+/// whole groups of four rows take the GEMM flavour when `n >= 4` and the rest the GEMV flavour, as
+/// llama.cpp splits them; without, every row takes the GEMV flavour (what a one-row call gives).
 pub fn matmul(
     pool: &ThreadPool,
     packed: &[u8],
@@ -137,6 +137,7 @@ pub fn matmul(
     cols: usize,
     xq: &[u8],
     n: usize,
+    gemm: bool,
     out: &mut [f32],
 ) {
     let nb = cols / 256;
@@ -144,7 +145,7 @@ pub fn matmul(
     assert!(packable(rows, cols) && packed.len() == rows * nb * 144);
     assert_eq!(xq.len(), n * a_row, "activation bytes");
     assert_eq!(out.len(), n * rows, "output size");
-    let gemm_rows = if n >= 4 { n - n % 4 } else { 0 };
+    let gemm_rows = if gemm && n >= 4 { n - n % 4 } else { 0 };
     let chunk = rows_per_chunk(a_row);
     let groups = rows / GROUP;
     let group_bytes = nb * BLOCK_BYTES;
@@ -174,9 +175,9 @@ pub fn matmul(
                 }
             }
         }
-        if gemm_rows < n {
-            for g in range.clone() {
-                kernel(g, gemm_rows, n - gemm_rows, false);
+        for g in range.clone() {
+            for t0 in (gemm_rows..n).step_by(4) {
+                kernel(g, t0, (n - t0).min(4), false);
             }
         }
     });

@@ -94,7 +94,7 @@ fn matmul_splits_rows_as_llamacpp() {
         let (w, a) = problem(rows, cols, n);
         let packed = pack(&pool, &w, rows, cols);
         let mut out = vec![0f32; n * rows];
-        matmul(&pool, &packed, rows, cols, &a, n, &mut out);
+        matmul(&pool, &packed, rows, cols, &a, n, true, &mut out);
         let gemm_rows = if n >= 4 { n - n % 4 } else { 0 };
         let a_row = nb * A_BYTES;
         for t in 0..n {
