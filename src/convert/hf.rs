@@ -426,6 +426,11 @@ fn arch_metadata(
         }
         Family::Qwen3Moe => {
             kv.push(u32_kv(k("expert_feed_forward_length"), hp.moe_ff));
+            // llama.cpp always renormalizes Qwen3-MoE's top-k weights; say so when the
+            // checkpoint does not (this crate's engine reads the key).
+            if cfg.get("norm_topk_prob").and_then(Json::as_bool) == Some(false) {
+                kv.push((k("expert_weights_norm"), Value::Bool(false)));
+            }
             if let Some(n) = cfg.u64(&["shared_expert_intermediate_size"]) {
                 kv.push(u32_kv(k("expert_shared_feed_forward_length"), n));
             }
@@ -466,6 +471,29 @@ fn arch_metadata(
                         k("attention.sliding_window"),
                         cfg.req_u64(&["sliding_window"])?,
                     ),
+                );
+            }
+            // Which layers slide, when config.json says (`layer_types`): llama.cpp assumes five
+            // sliding layers then a global one, which a checkpoint need not follow.
+            if let Some(types) = cfg.get("layer_types").and_then(Json::as_array) {
+                let flags = types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        Some("sliding_attention") => Ok(Value::Bool(true)),
+                        Some("full_attention") => Ok(Value::Bool(false)),
+                        _ => bail!("config.json: unknown layer type {t} in layer_types"),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                if flags.len() as u64 != hp.n_layer {
+                    bail!(
+                        "config.json: layer_types has {} entries for {} layers",
+                        flags.len(),
+                        hp.n_layer
+                    );
+                }
+                set(
+                    &mut kv,
+                    (k("attention.sliding_window_pattern"), Value::Array(flags)),
                 );
             }
             set(

@@ -35,10 +35,11 @@ impl<B: Backend> Runner<B> {
             bail!("context size must be at least 1");
         }
         let n_blocks = n_ctx.div_ceil(BLOCK_SIZE);
+        let cfg = &model.cfg;
         let kv =
             model
                 .backend
-                .alloc_kv(model.cfg.n_layer, n_blocks, BLOCK_SIZE, model.cfg.kv_dim())?;
+                .alloc_kv(cfg.n_layer, n_blocks, BLOCK_SIZE, cfg.kv_dim(), cfg.kv_type)?;
         Ok(Runner {
             model,
             kv,

@@ -31,6 +31,15 @@ pub struct Rope {
     pub head_dim: usize,
 }
 
+/// What the KV cache stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvType {
+    /// f16, as llama.cpp stores it by default (attention then follows llama.cpp's kernels).
+    F16,
+    /// f32, for models computed in f32 end to end (attention is a plain f32 softmax).
+    F32,
+}
+
 /// One query row of attention: where its sequence's keys live and how far it may look.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnQuery<'a> {
@@ -79,6 +88,7 @@ pub trait Backend {
         n_blocks: usize,
         block_size: usize,
         kv_dim: usize,
+        kv_type: KvType,
     ) -> Result<Self::Kv>;
 
     /// A zeroed rows × cols activation.
@@ -99,8 +109,15 @@ pub trait Backend {
         bias: Option<&Self::Vector>,
         out: &mut Self::Act,
     );
-    /// Rotate each head of each row by its position.
-    fn rope(&self, x: &mut Self::Act, positions: &[u32], rope: Rope);
+    /// Rotate each head of each row by its position; pair i's angle is divided by
+    /// `freq_factors[i]` when given (llama.cpp's `rope_freqs`, e.g. Llama 3 RoPE scaling).
+    fn rope(
+        &self,
+        x: &mut Self::Act,
+        positions: &[u32],
+        rope: Rope,
+        freq_factors: Option<&Self::Vector>,
+    );
     fn scale(&self, x: &mut Self::Act, s: f32);
     /// x += y.
     fn add(&self, x: &mut Self::Act, y: &Self::Act);
@@ -125,6 +142,9 @@ pub trait Backend {
         shape: AttnShape,
         out: &mut Self::Act,
     );
+    /// x[rows[i]] += scales[i] * y[i] for every row i of y (mixture-of-experts: an expert's
+    /// outputs added to the tokens routed to it, times their routing weights).
+    fn add_rows_scaled(&self, x: &mut Self::Act, y: &Self::Act, rows: &[usize], scales: &[f32]);
     /// A new activation holding the given rows of x.
     fn gather_rows(&self, x: &Self::Act, rows: &[usize]) -> Self::Act;
     /// Copy an activation back to host memory, row-major.

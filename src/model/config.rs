@@ -4,25 +4,37 @@
 
 use anyhow::{bail, Context, Result};
 
-use crate::format::Gguf;
+use crate::format::{GgmlType, Gguf, Value};
+use crate::model::backend::KvType;
 
 /// The architectures the forward loop knows, and the variations each one switches on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
+    /// Llama, Mistral and Mixtral (llama.cpp writes all three as `llama`; Mixtral adds experts).
     Llama,
     Qwen2,
+    /// Qwen2 plus a per-head RMS norm of q and k.
+    Qwen3,
+    /// Qwen3 with mixture-of-experts feed-forwards.
+    Qwen3Moe,
     Gemma3,
+    /// Fused QKV and gate/up matrices (`attn_qkv`, `ffn_up` twice `n_ff` wide).
+    Phi3,
 }
+
+/// Architectures `Arch::from_name` accepts, for messages.
+const ARCH_NAMES: &str = "llama, mistral, qwen2, qwen3, qwen3moe, gemma3, phi3";
 
 impl Arch {
     pub fn from_name(name: &str) -> Result<Arch> {
         Ok(match name {
             "llama" | "mistral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            "qwen3moe" => Arch::Qwen3Moe,
             "gemma3" => Arch::Gemma3,
-            other => bail!(
-                "unsupported architecture `{other}` (supported: llama, mistral, qwen2, gemma3)"
-            ),
+            "phi3" => Arch::Phi3,
+            other => bail!("unsupported architecture `{other}` (supported: {ARCH_NAMES})"),
         })
     }
 }
@@ -39,8 +51,21 @@ pub enum RopeStyle {
 pub enum Activation {
     /// SwiGLU: silu(gate) * up.
     Silu,
-    /// GeGLU with the tanh approximation of GELU, as ggml computes it.
+    /// GeGLU with the tanh approximation of GELU, as ggml computes it (through an f16 table).
     GeluTanh,
+    /// The same GELU computed in f32 (PyTorch's `gelu(approximate="tanh")`), for f32 models.
+    GeluTanhF32,
+}
+
+/// Mixture-of-experts feed-forward: `n_expert` experts of width `n_ff`, `n_used` per token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeConfig {
+    pub n_expert: usize,
+    pub n_used: usize,
+    /// Width of one expert's feed-forward.
+    pub n_ff: usize,
+    /// Renormalize the chosen experts' softmax weights to sum to 1.
+    pub norm_weights: bool,
 }
 
 /// Per-layer attention variation.
@@ -71,6 +96,12 @@ pub struct ModelConfig {
     pub attn_scale: f32,
     /// True when q is scaled before attention (gemma) rather than the scores after (llama).
     pub scale_q_first: bool,
+    /// Mixture-of-experts layers' shape (their layers hold `ffn_gate_inp`), if any.
+    pub moe: Option<MoeConfig>,
+    /// KV cache precision. `F32` is chosen when every weight matrix is F32: such a model is
+    /// computed in f32 end to end (also GELU without ggml's f16 table), to match the reference
+    /// implementation rather than llama.cpp's f16 rounding.
+    pub kv_type: KvType,
     pub layers: Vec<LayerConfig>,
 }
 
@@ -123,26 +154,63 @@ impl ModelConfig {
             .get_f32(&k("attention.layer_norm_rms_epsilon"))
             .unwrap_or(1e-5);
         let rope_base = g.get_f32(&k("rope.freq_base")).unwrap_or(10000.0);
-        let window = g.get_u64(&k("attention.sliding_window")).map(|w| w as u32);
+        // A window of 0 (Phi-3 writes one) means none.
+        let window = g
+            .get_u64(&k("attention.sliding_window"))
+            .filter(|&w| w > 0)
+            .map(|w| w as u32);
+        let swa_base = g.get_f32(&k("rope.freq_base_swa")).unwrap_or(10_000.0);
+        let sliding = sliding_layers(g, &k("attention.sliding_window_pattern"), arch, n_layer)?;
+        let all_f32 = g
+            .tensors
+            .iter()
+            .filter(|t| t.dims.len() >= 2)
+            .all(|t| t.ty == GgmlType::F32);
+        let kv_type = if all_f32 { KvType::F32 } else { KvType::F16 };
+        let moe = match g.get_u64(&k("expert_count")).unwrap_or(0) as usize {
+            0 => None,
+            n_expert => {
+                let n_used = req_u64(g, &k("expert_used_count"))?;
+                if n_used == 0 || n_used > n_expert {
+                    bail!("expert_used_count {n_used} is not in 1..={n_expert}");
+                }
+                Some(MoeConfig {
+                    n_expert,
+                    n_used,
+                    n_ff: g
+                        .get_u64(&k("expert_feed_forward_length"))
+                        .map_or(n_ff, |v| v as usize),
+                    norm_weights: g
+                        .get(&k("expert_weights_norm"))
+                        .and_then(Value::as_bool)
+                        .unwrap_or(true),
+                })
+            }
+        };
 
         let (rope_style, activation, embd_scale, scale_q_first) = match arch {
             Arch::Llama => (RopeStyle::Normal, Activation::Silu, 1.0, false),
-            Arch::Qwen2 => (RopeStyle::Neox, Activation::Silu, 1.0, false),
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 => {
+                (RopeStyle::Neox, Activation::Silu, 1.0, false)
+            }
             Arch::Gemma3 => (
                 RopeStyle::Neox,
-                Activation::GeluTanh,
+                match kv_type {
+                    KvType::F16 => Activation::GeluTanh,
+                    KvType::F32 => Activation::GeluTanhF32,
+                },
                 (n_embd as f32).sqrt(),
                 true,
             ),
         };
         let layers = (0..n_layer)
-            .map(|il| match arch {
-                // Gemma 3: five sliding-window layers (local RoPE base 10k), then one global.
-                Arch::Gemma3 if il % 6 < 5 => LayerConfig {
+            .map(|il| match (arch, &sliding) {
+                // Gemma 3: sliding-window layers use the local RoPE base.
+                (Arch::Gemma3, Some(s)) if s[il] => LayerConfig {
                     window,
-                    rope_base: 10_000.0,
+                    rope_base: swa_base,
                 },
-                Arch::Gemma3 => LayerConfig {
+                (_, Some(s)) if !s[il] => LayerConfig {
                     window: None,
                     rope_base,
                 },
@@ -166,6 +234,8 @@ impl ModelConfig {
             embd_scale,
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             scale_q_first,
+            moe,
+            kv_type,
             layers,
         })
     }
@@ -178,4 +248,26 @@ impl ModelConfig {
     pub fn q_dim(&self) -> usize {
         self.n_head * self.head_dim
     }
+}
+
+/// Which layers use the sliding window: `key` as a per-layer bool array, or as a period `n` (the
+/// last layer of every `n` is global); Gemma 3 without the key has llama.cpp's fixed period 6.
+/// `None`: every layer follows `attention.sliding_window`.
+fn sliding_layers(g: &Gguf, key: &str, arch: Arch, n_layer: usize) -> Result<Option<Vec<bool>>> {
+    let period = |n: usize| Some((0..n_layer).map(|il| il % n < n - 1).collect());
+    Ok(match g.get(key) {
+        Some(Value::Array(a)) => {
+            if a.len() != n_layer {
+                bail!("`{key}` has {} entries for {n_layer} layers", a.len());
+            }
+            let flags: Option<Vec<bool>> = a.iter().map(Value::as_bool).collect();
+            Some(flags.with_context(|| format!("`{key}` is not an array of booleans"))?)
+        }
+        Some(v) => match v.as_u64() {
+            Some(n) if n > 0 => period(n as usize),
+            _ => bail!("`{key}` is neither a layer count nor an array of booleans"),
+        },
+        None if arch == Arch::Gemma3 => period(6),
+        None => None,
+    })
 }

@@ -11,7 +11,8 @@ use anyhow::{bail, Result};
 
 use crate::model::backend::{AttnQuery, AttnShape, Backend, Rope};
 use crate::model::config::ModelConfig;
-use crate::model::weights::Weights;
+use crate::model::moe;
+use crate::model::weights::{Ffn, Weights};
 
 /// One token to run through the model.
 #[derive(Clone, Copy, Debug)]
@@ -93,8 +94,8 @@ impl<B: Backend> Model<B> {
                 base: lc.rope_base,
                 head_dim: cfg.head_dim,
             };
-            be.rope(&mut q, &positions, rope);
-            be.rope(&mut k, &positions, rope);
+            be.rope(&mut q, &positions, rope, w.rope_freqs.as_ref());
+            be.rope(&mut k, &positions, rope, w.rope_freqs.as_ref());
             if cfg.scale_q_first {
                 be.scale(&mut q, cfg.attn_scale);
             }
@@ -140,10 +141,17 @@ impl<B: Backend> Model<B> {
 
             // feed-forward block
             be.rms_norm(&x, &lw.ffn_norm, cfg.norm_eps, &mut h);
-            be.matmul(&lw.w_gate, &h, None, &mut gate);
-            be.matmul(&lw.w_up, &h, None, &mut up);
-            be.glu(&mut gate, &up, cfg.activation);
-            be.matmul(&lw.w_down, &gate, None, &mut o);
+            match &lw.ffn {
+                Ffn::Dense(m) => {
+                    be.matmul(&m.gate, &h, None, &mut gate);
+                    be.matmul(&m.up, &h, None, &mut up);
+                    be.glu(&mut gate, &up, cfg.activation);
+                    be.matmul(&m.down, &gate, None, &mut o);
+                }
+                Ffn::Moe { router, experts } => {
+                    o = moe::ffn(be, cfg, router, experts, &h)?;
+                }
+            }
             if let Some(pn) = &lw.post_ffn_norm {
                 be.rms_norm_inplace(&mut o, pn, cfg.norm_eps);
             }

@@ -1,6 +1,8 @@
 //! Tensor names and shapes: finds every weight a layer needs by its llama.cpp name, checks its shape
 //! against the config, and hands it to the backend. Invariant: once `Weights::load` succeeds, every
-//! matrix has the shape the forward loop assumes (rows = outputs, cols = inputs).
+//! matrix has the shape the forward loop assumes (rows = outputs, cols = inputs). Fused and stacked
+//! tensors are handed over as row ranges (zero-copy views): Phi-3's `attn_qkv` as Q, K and V, its
+//! `ffn_up` as gate and up, and each expert of a 3-D `ffn_*_exps` tensor as its own matrix.
 
 use std::sync::Arc;
 
@@ -23,10 +25,24 @@ pub struct LayerWeights<B: Backend> {
     pub wo: B::Weight,             // (n_embd, n_head * head_dim)
     pub post_attn_norm: Option<B::Vector>,
     pub ffn_norm: B::Vector, // (n_embd)
-    pub w_gate: B::Weight,   // (n_ff, n_embd)
-    pub w_up: B::Weight,     // (n_ff, n_embd)
-    pub w_down: B::Weight,   // (n_embd, n_ff)
+    pub ffn: Ffn<B>,
     pub post_ffn_norm: Option<B::Vector>,
+}
+
+/// A gated feed-forward: down(act(gate · x) * (up · x)).
+pub struct Mlp<B: Backend> {
+    pub gate: B::Weight, // (n_ff, n_embd)
+    pub up: B::Weight,   // (n_ff, n_embd)
+    pub down: B::Weight, // (n_embd, n_ff)
+}
+
+pub enum Ffn<B: Backend> {
+    Dense(Mlp<B>),
+    /// Mixture of experts: `router` scores the experts for each token.
+    Moe {
+        router: B::Weight, // (n_expert, n_embd)
+        experts: Vec<Mlp<B>>,
+    },
 }
 
 pub struct Weights<B: Backend> {
@@ -34,6 +50,8 @@ pub struct Weights<B: Backend> {
     /// None when the output head is tied to the embedding table.
     pub output: Option<B::Weight>, // (vocab, n_embd)
     pub output_norm: B::Vector, // (n_embd)
+    /// RoPE frequency factors (`rope_freqs`, Llama 3 scaling), (head_dim / 2).
+    pub rope_freqs: Option<B::Vector>,
     pub layers: Vec<LayerWeights<B>>,
 }
 
@@ -49,19 +67,53 @@ impl<B: Backend> Loader<'_, B> {
     }
 
     fn opt_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Option<B::Weight>> {
+        self.view(name, &[cols, rows], 0, rows)
+    }
+
+    /// Rows `first..first + rows` of tensor `name`, whose ggml shape must be `dims` (the first
+    /// dimension is the row length; the others multiply to the row count). None if absent.
+    fn view(
+        &self,
+        name: &str,
+        dims: &[usize],
+        first: usize,
+        rows: usize,
+    ) -> Result<Option<B::Weight>> {
         let Some(index) = self.g.tensors.iter().position(|t| t.name == name) else {
             return Ok(None);
         };
         let t = &self.g.tensors[index];
-        let dims: Vec<u64> = t.dims.clone();
-        let (c, r) = match dims.as_slice() {
-            [c] => (*c as usize, 1),
-            [c, r] => (*c as usize, *r as usize),
-            [c, r, 1] | [c, r, 1, 1] => (*c as usize, *r as usize),
-            _ => bail!("tensor `{name}` has shape {dims:?}, expected a matrix"),
-        };
-        if (r, c) != (rows, cols) {
-            bail!("tensor `{name}` has shape [{c}, {r}] (ggml order), expected [{cols}, {rows}]");
+        // Trailing 1s are not dimensions (a matrix may be stored as [c, r, 1]).
+        let mut got: Vec<u64> = t.dims.clone();
+        while got.len() > dims.len() && got.last() == Some(&1) {
+            got.pop();
+        }
+        while got.len() < dims.len() {
+            got.push(1);
+        }
+        let want: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+        if got != want {
+            bail!(
+                "tensor `{name}` has shape {:?} (ggml order), expected {want:?}",
+                t.dims
+            );
+        }
+        let cols = dims[0];
+        let total: usize = dims[1..].iter().product();
+        debug_assert!(first + rows <= total);
+        let row_bytes = t.ty.row_bytes(cols).with_context(|| {
+            format!(
+                "tensor `{name}`: row length {cols} is not a multiple of the {} block size",
+                t.ty.name()
+            )
+        })?;
+        let data = self.g.tensor_data(t);
+        if data.len() != row_bytes * total {
+            bail!(
+                "tensor `{name}` holds {} bytes, expected {}",
+                data.len(),
+                row_bytes * total
+            );
         }
         let src = WeightSource {
             file: self.g,
@@ -70,12 +122,18 @@ impl<B: Backend> Loader<'_, B> {
             ty: t.ty,
             rows,
             cols,
-            bytes: self.g.tensor_data(t),
+            bytes: &data[first * row_bytes..(first + rows) * row_bytes],
         };
         self.backend
             .load_weight(&src)
             .map(Some)
             .with_context(|| format!("loading tensor `{name}`"))
+    }
+
+    /// Rows `first..first + rows` of a required tensor of ggml shape `dims`.
+    fn part(&self, name: &str, dims: &[usize], first: usize, rows: usize) -> Result<B::Weight> {
+        self.view(name, dims, first, rows)?
+            .with_context(|| format!("tensor `{name}` is missing from the model file"))
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<B::Vector> {
@@ -103,16 +161,31 @@ impl<B: Backend> Loader<'_, B> {
 impl<B: Backend> Weights<B> {
     pub fn load(g: &Arc<Gguf>, cfg: &ModelConfig, backend: &B) -> Result<Weights<B>> {
         let l = Loader { g, backend };
-        let (d, q, kv, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
+        let (d, q, kv) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim());
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
             let gemma = cfg.arch == Arch::Gemma3;
+            let (wq, wk, wv) = if cfg.arch == Arch::Phi3 {
+                let qkv = n("attn_qkv.weight");
+                let dims = [d, q + 2 * kv];
+                (
+                    l.part(&qkv, &dims, 0, q)?,
+                    l.part(&qkv, &dims, q, kv)?,
+                    l.part(&qkv, &dims, q + kv, kv)?,
+                )
+            } else {
+                (
+                    l.matrix(&n("attn_q.weight"), q, d)?,
+                    l.matrix(&n("attn_k.weight"), kv, d)?,
+                    l.matrix(&n("attn_v.weight"), kv, d)?,
+                )
+            };
             let lw = LayerWeights {
                 attn_norm: l.vector(&n("attn_norm.weight"), d)?,
-                wq: l.matrix(&n("attn_q.weight"), q, d)?,
-                wk: l.matrix(&n("attn_k.weight"), kv, d)?,
-                wv: l.matrix(&n("attn_v.weight"), kv, d)?,
+                wq,
+                wk,
+                wv,
                 bq: l.opt_vector(&n("attn_q.bias"), q)?,
                 bk: l.opt_vector(&n("attn_k.bias"), kv)?,
                 bv: l.opt_vector(&n("attn_v.bias"), kv)?,
@@ -125,9 +198,7 @@ impl<B: Backend> Weights<B> {
                     None
                 },
                 ffn_norm: l.vector(&n("ffn_norm.weight"), d)?,
-                w_gate: l.matrix(&n("ffn_gate.weight"), ff, d)?,
-                w_up: l.matrix(&n("ffn_up.weight"), ff, d)?,
-                w_down: l.matrix(&n("ffn_down.weight"), d, ff)?,
+                ffn: l.ffn(cfg, i)?,
                 post_ffn_norm: if gemma {
                     Some(l.vector(&n("post_ffw_norm.weight"), d)?)
                 } else {
@@ -142,8 +213,51 @@ impl<B: Backend> Weights<B> {
             token_embd,
             output,
             output_norm: l.vector("output_norm.weight", d)?,
+            rope_freqs: l.opt_vector("rope_freqs.weight", cfg.head_dim / 2)?,
             layers,
         })
+    }
+}
+
+impl<B: Backend> Loader<'_, B> {
+    /// Layer `i`'s feed-forward: experts when the layer has a router (`ffn_gate_inp`), else dense.
+    fn ffn(&self, cfg: &ModelConfig, i: usize) -> Result<Ffn<B>> {
+        let n = |s: &str| format!("blk.{i}.{s}");
+        let (d, ff) = (cfg.n_embd, cfg.n_ff);
+        if let Some(moe) = cfg.moe {
+            let (ne, eff) = (moe.n_expert, moe.n_ff);
+            if let Some(router) = self.opt_matrix(&n("ffn_gate_inp.weight"), ne, d)? {
+                let experts = (0..ne)
+                    .map(|e| {
+                        Ok(Mlp {
+                            gate: self.part(
+                                &n("ffn_gate_exps.weight"),
+                                &[d, eff, ne],
+                                e * eff,
+                                eff,
+                            )?,
+                            up: self.part(&n("ffn_up_exps.weight"), &[d, eff, ne], e * eff, eff)?,
+                            down: self.part(&n("ffn_down_exps.weight"), &[eff, d, ne], e * d, d)?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                return Ok(Ffn::Moe { router, experts });
+            }
+        }
+        if cfg.arch == Arch::Phi3 {
+            // One `ffn_up` of 2 * n_ff rows: the gate's, then the up projection's.
+            let up = n("ffn_up.weight");
+            return Ok(Ffn::Dense(Mlp {
+                gate: self.part(&up, &[d, 2 * ff], 0, ff)?,
+                up: self.part(&up, &[d, 2 * ff], ff, ff)?,
+                down: self.matrix(&n("ffn_down.weight"), d, ff)?,
+            }));
+        }
+        Ok(Ffn::Dense(Mlp {
+            gate: self.matrix(&n("ffn_gate.weight"), ff, d)?,
+            up: self.matrix(&n("ffn_up.weight"), ff, d)?,
+            down: self.matrix(&n("ffn_down.weight"), d, ff)?,
+        }))
     }
 }
 

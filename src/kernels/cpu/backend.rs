@@ -176,7 +176,10 @@ impl Backend for CpuBackend {
             .checked_sub(data.as_ptr() as usize)
             .filter(|o| data.len().checked_sub(*o) >= Some(src.bytes.len()))
         else {
-            bail!("the bytes of `{}` are not inside its tensor's data", src.name);
+            bail!(
+                "the bytes of `{}` are not inside its tensor's data",
+                src.name
+            );
         };
         Ok(CpuWeight {
             file: Arc::clone(src.file),

@@ -2,6 +2,7 @@
 //! element-wise ops, gathered behind `CpuBackend`.
 
 pub mod attention;
+pub mod attention_f32;
 pub mod backend;
 pub mod matmul;
 pub mod membw;

@@ -165,6 +165,18 @@ pub fn rope_cache(pos: u32, base: f32, head_dim: usize, cache: &mut [f32]) {
     }
 }
 
+/// [`rope_cache`] with each pair's angle divided by its frequency factor, as ggml applies
+/// `rope_freqs` (`theta / ff` per pair, before cos/sin).
+pub fn rope_cache_scaled(pos: u32, base: f32, head_dim: usize, factors: &[f32], cache: &mut [f32]) {
+    let theta_scale = base.powf(-2.0 / head_dim as f32);
+    let mut theta = pos as f32;
+    for (i, &ff) in (0..head_dim).step_by(2).zip(factors) {
+        cache[i] = (theta / ff).cos();
+        cache[i + 1] = (theta / ff).sin();
+        theta *= theta_scale;
+    }
+}
+
 /// Rotate one head in place with a cache from `rope_cache`. The products are fused as GCC compiles
 /// ggml's `rotate_pairs` (`-ffp-contract=fast` with FMA): `x0·cos - x1·sin` is
 /// `fma(x0, cos, -(x1·sin))` and `x0·sin + x1·cos` is `fma(x0, sin, x1·cos)` (checked against
@@ -205,6 +217,13 @@ fn gelu_tanh(x: f32) -> f32 {
     const COEF_A: f32 = 0.044715;
     let inner = (COEF_A * x).mul_add(x, 1.0);
     (0.5 * x) * (1.0 + (SQRT_2_OVER_PI * x * inner).tanh())
+}
+
+/// PyTorch's `gelu(x, approximate="tanh")` in f32: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+fn gelu_tanh_f32(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let inner = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+    0.5 * x * (1.0 + inner.tanh())
 }
 
 /// GELU as ggml's CPU backend computes it: the input rounded to f16, looked up in a table of
@@ -255,6 +274,11 @@ fn glu_impl(gate: &mut [f32], up: &[f32], act: Activation) {
             }
             for (g, &u) in gt.iter_mut().zip(ut) {
                 *g = (*g / (1.0 + (-*g).exp())) * u;
+            }
+        }
+        Activation::GeluTanhF32 => {
+            for (g, &u) in gate.iter_mut().zip(up) {
+                *g = gelu_tanh_f32(*g) * u;
             }
         }
         Activation::GeluTanh => {
