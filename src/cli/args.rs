@@ -14,6 +14,9 @@ use infer::engine::sampler::SamplerConfig;
     about = "Run quantized GGUF language models on this machine"
 )]
 pub struct Cli {
+    /// Print nothing on stderr but errors (no load line, speeds, notes or progress bars)
+    #[arg(short, long, global = true)]
+    pub quiet: bool,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -146,6 +149,14 @@ pub struct RunArgs {
     /// One JSON object per line: per token {"id","text"}, then a summary
     #[arg(long)]
     pub json: bool,
+    /// With --json: add each token's "logprob" and the N most likely tokens ("top_logprobs"),
+    /// log-softmax of the raw logits (before temperature, penalties and truncation)
+    #[arg(long, value_name = "N", requires = "json")]
+    pub logprobs: Option<usize>,
+    /// Run every request of a JSON-lines file (`-` = stdin), {"prompt","max_tokens"} plus optional
+    /// "temperature", "seed", "stop"; one JSON result line per request, in order
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_ids", "logprobs"])]
+    pub batch_file: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]

@@ -2,7 +2,7 @@
 //! with the machine's memory read bandwidth measured in the same run, interleaved with the runs, so
 //! decode speed can be held against its roofline (tokens/s × bytes read per token ÷ bandwidth).
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -115,7 +115,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         name: format!("tg{}{depth_tag}", a.n_gen),
         runs: Vec::new(),
     };
-    let progress = !a.json && std::io::stderr().is_terminal();
+    let progress = !a.json && crate::cli::progress::enabled();
     for rep in 0..a.reps {
         if a.n_prompt > 0 {
             let mut seq = fresh(&mut runner, &mut rng)?;

@@ -12,7 +12,8 @@
 //! (template error, context too small, engine error) leaves the conversation as it was before the
 //! user's message and returns to the prompt; answers go to stdout, diagnostics to stderr.
 //! Ctrl-C during an answer raises a flag checked per token (the partial answer is kept); at the
-//! prompt it clears the line; Ctrl-D or `/exit` leaves.
+//! prompt it clears the line; Ctrl-D or `/exit` leaves. `--quiet` keeps only errors on stderr (no
+//! banner, notes or confirmations of commands).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -28,6 +29,7 @@ use rustyline::{Completer, Editor, Helper, Highlighter, Hinter};
 
 use crate::cli::args::ChatArgs;
 use crate::cli::load::load;
+use crate::cli::{note, progress};
 use infer::chat::input::{self, Command, Setting, HELP};
 use infer::chat::{fallback_render, ChatTemplate, Conversation, Message, FALLBACK_STOPS};
 use infer::engine::generate::{generate, GenParams, StopReason};
@@ -56,7 +58,7 @@ pub fn resolve_template(
     }
     let t = ChatTemplate::from_gguf(g, tok).context("in the model's tokenizer.chat_template")?;
     if t.is_none() {
-        eprintln!(
+        note!(
             "infer: the model has no chat template; using the plain \"User: ...\\nAssistant:\" format \
              (--chat-template FILE gives one)"
         );
@@ -195,7 +197,7 @@ impl Session {
                     tokens.len()
                 );
             }
-            eprintln!(
+            note!(
                 "infer: context full ({} + {} answer tokens > {n_ctx}): dropped the oldest {dropped} messages",
                 tokens.len(),
                 self.answer_room()
@@ -245,16 +247,16 @@ impl Session {
             }
         };
         match stats.stop {
-            StopReason::Interrupted => eprintln!("infer: [interrupted]"),
-            StopReason::Length => eprintln!(
+            StopReason::Interrupted => note!("infer: [interrupted]"),
+            StopReason::Length => note!(
                 "infer: [answer cut at {} tokens; /set max-tokens N changes that]",
                 stats.generated_tokens
             ),
-            StopReason::ContextFull => eprintln!("infer: [the context is full]"),
+            StopReason::ContextFull => note!("infer: [the context is full]"),
             _ => {}
         }
         if stats.stop == StopReason::Interrupted && stats.generated_tokens == 0 {
-            eprintln!("infer: nothing was generated; the message was withdrawn");
+            note!("infer: nothing was generated; the message was withdrawn");
             self.conv = before;
             self.seq_text.clear();
         } else {
@@ -353,16 +355,16 @@ impl Session {
             Command::Clear => {
                 self.conv.clear();
                 self.seq_text.clear();
-                eprintln!("infer: conversation cleared");
+                note!("infer: conversation cleared");
             }
             Command::System(text) => {
                 let text = text.trim();
                 self.conv.set_system((!text.is_empty()).then_some(text));
                 self.seq_text.clear();
                 if text.is_empty() {
-                    eprintln!("infer: system prompt removed");
+                    note!("infer: system prompt removed");
                 } else {
-                    eprintln!("infer: system prompt set");
+                    note!("infer: system prompt set");
                 }
             }
             Command::Set(s) => {
@@ -375,13 +377,13 @@ impl Session {
                     Setting::Seed(v) => c.seed = v,
                     Setting::MaxTokens(v) => self.params.max_tokens = v,
                 }
-                eprintln!("infer: {s}");
+                note!("infer: {s}");
             }
             Command::Stats => println!("{}", self.stats()),
             Command::Save(path) => {
                 std::fs::write(&path, self.conv.to_json())
                     .with_context(|| format!("writing {}", path.display()))?;
-                eprintln!(
+                note!(
                     "infer: saved {} messages to {}",
                     self.conv.messages.len(),
                     path.display()
@@ -402,7 +404,7 @@ impl Session {
                     println!("{}: {}", m.role, m.content);
                 }
                 let t = self.turns.last().expect("prefill records itself");
-                eprintln!(
+                note!(
                     "infer: loaded {} messages from {} ({} tokens prefilled, {} reused)",
                     self.conv.messages.len(),
                     path.display(),
@@ -419,7 +421,7 @@ impl Session {
 fn install_cancel(flag: &Arc<AtomicBool>) {
     let f = Arc::clone(flag);
     if ctrlc::set_handler(move || f.store(true, Ordering::SeqCst)).is_err() {
-        eprintln!("infer: warning: cannot catch Ctrl-C; it will not stop answers");
+        note!("infer: warning: cannot catch Ctrl-C; it will not stop answers");
     }
 }
 
@@ -429,7 +431,9 @@ fn history_path() -> Option<PathBuf> {
 
 pub fn chat(a: ChatArgs) -> Result<()> {
     let sampler = a.sampling.config()?;
-    let loaded = load(&a.model.model, a.model.threads, a.ctx)?;
+    let loaded = progress::with_spinner(format!("loading {}", a.model.model.display()), || {
+        load(&a.model.model, a.model.threads, a.ctx)
+    })?;
     let template = resolve_template(&loaded.gguf, &loaded.tokenizer, a.chat_template.as_deref())?;
     let stop = match template {
         Some(_) => Vec::new(),
@@ -440,7 +444,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         sampler,
         stop,
     };
-    eprintln!(
+    note!(
         "infer: loaded {} in {:.2} s ({} threads, context {}). /help lists commands; Ctrl-D leaves.",
         a.model.model.display(),
         loaded.load_secs,
@@ -468,7 +472,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     if let Some(h) = &history {
         if h.exists() {
             if let Err(e) = rl.load_history(h) {
-                eprintln!("infer: warning: cannot read history {}: {e}", h.display());
+                note!("infer: warning: cannot read history {}: {e}", h.display());
             }
         }
     }
@@ -504,7 +508,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             .map_err(ReadlineError::from)
             .and_then(|()| rl.save_history(h));
         if let Err(e) = saved {
-            eprintln!("infer: warning: cannot write history {}: {e}", h.display());
+            note!("infer: warning: cannot write history {}: {e}", h.display());
         }
     }
     Ok(())

@@ -2,15 +2,18 @@
 //! it resolves models, reads prompts, and prints; results go to stdout, diagnostics to stderr.
 
 mod args;
+mod batch;
 mod bench;
 mod chat;
 mod load;
 mod models;
+mod progress;
 mod quantize;
 mod run;
 mod tokenize;
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::Parser;
 
@@ -27,6 +30,23 @@ impl std::fmt::Display for UsageError {
 }
 
 impl std::error::Error for UsageError {}
+
+static QUIET: AtomicBool = AtomicBool::new(false);
+
+/// True under `--quiet`: stderr carries errors only (no notes, warnings or progress).
+pub fn quiet() -> bool {
+    QUIET.load(Ordering::Relaxed)
+}
+
+/// `eprintln!` for everything on stderr that is not an error: silent under `--quiet`.
+macro_rules! note {
+    ($($arg:tt)*) => {
+        if !$crate::cli::quiet() {
+            eprintln!($($arg)*);
+        }
+    };
+}
+pub(crate) use note;
 
 /// True when the error chain holds a broken pipe (stdout closed by the reader).
 fn is_broken_pipe(e: &anyhow::Error) -> bool {
@@ -45,7 +65,9 @@ pub fn main() -> ExitCode {
             return ExitCode::from(e.exit_code() as u8);
         }
     };
+    QUIET.store(cli.quiet, Ordering::Relaxed);
     let result = match cli.command {
+        Command::Run(a) if a.batch_file.is_some() => batch::batch(a),
         Command::Run(a) => run::run(a),
         Command::Tokenize(a) => tokenize::tokenize(a),
         Command::Chat(a) => chat::chat(a),

@@ -39,7 +39,7 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
         }
     };
     let s = &report.summary;
-    eprintln!(
+    crate::cli::note!(
         "infer: {} → {} ({target}): {} tensors, {:.2} MiB, {:.2} bits/weight, {:.2} s [{}]",
         source.display(),
         a.out.display(),

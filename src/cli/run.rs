@@ -1,23 +1,25 @@
 //! `infer run`: tokenize a prompt, generate, stream the continuation to stdout (only the new text),
-//! and report load time and speeds on stderr. `--json` turns stdout into JSON lines for machines.
-//! Ctrl-C stops generation after the current token; a second Ctrl-C exits at once.
+//! and report load time and speeds on stderr (silent under `--quiet`). `--json` turns stdout into
+//! JSON lines for machines, with per-token log-probabilities under `--logprobs N`. Ctrl-C stops
+//! generation after the current token; a second Ctrl-C exits at once. `--batch-file` is
+//! [`crate::cli::batch`].
 
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Result;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::cli::args::RunArgs;
-use crate::cli::load::load;
+use crate::cli::load::{load, Loaded};
 use crate::cli::tokenize::read_stdin_text;
-use crate::cli::UsageError;
-use infer::engine::generate::{generate, GenParams};
+use crate::cli::{note, progress, UsageError};
+use infer::engine::generate::{generate_with, GenHooks, GenParams, TokenEvent};
 use infer::engine::runner::Sequence;
-
+use infer::tokenizer::Tokenizer;
 /// Installs the Ctrl-C handler once and returns the flag it raises.
-fn cancel_flag() -> Arc<AtomicBool> {
+pub fn cancel_flag() -> Arc<AtomicBool> {
     let flag = Arc::new(AtomicBool::new(false));
     let f = Arc::clone(&flag);
     // If a handler is already installed (tests, embedding), generation simply cannot be interrupted.
@@ -30,6 +32,83 @@ fn cancel_flag() -> Arc<AtomicBool> {
     flag
 }
 
+/// Loads `--model` under a spinner (on a terminal) and says how it went (unless `--quiet`).
+pub fn load_model(a: &RunArgs) -> Result<Loaded> {
+    let loaded = progress::with_spinner(format!("loading {}", a.model.model.display()), || {
+        load(&a.model.model, a.model.threads, a.ctx)
+    })?;
+    note!(
+        "infer: loaded {} in {:.2} s ({} threads, context {})",
+        a.model.model.display(),
+        loaded.load_secs,
+        loaded.threads,
+        loaded.runner.n_ctx()
+    );
+    Ok(loaded)
+}
+
+/// The prompt tokens of `text` as `a` asks (`--chat`, `--system`, `--no-bos`), and the stop
+/// strings the chat format needs. Usage errors for an empty prompt or one that fills the context.
+pub fn prompt_tokens(loaded: &Loaded, a: &RunArgs, text: &str) -> Result<(Vec<u32>, Vec<String>)> {
+    let tok = &loaded.tokenizer;
+    let (ids, stops) = if a.chat {
+        crate::cli::chat::single_turn_prompt(
+            &loaded.gguf,
+            tok,
+            a.system.as_deref(),
+            text,
+            !a.no_bos,
+        )?
+    } else {
+        (
+            tok.encode(text, tok.add_bos_default() && !a.no_bos, true)?,
+            Vec::new(),
+        )
+    };
+    check_fits(&ids, loaded.runner.n_ctx())?;
+    Ok((ids, stops))
+}
+
+fn check_fits(prompt: &[u32], n_ctx: usize) -> Result<(), UsageError> {
+    if prompt.is_empty() {
+        return Err(UsageError("the prompt is empty".into()));
+    }
+    if prompt.len() >= n_ctx {
+        return Err(UsageError(format!(
+            "the prompt has {} tokens but the context holds {n_ctx} (raise --ctx)",
+            prompt.len(),
+        )));
+    }
+    Ok(())
+}
+
+/// `x` as the shortest decimal that reads back as the same f32 (`-1.6706803`, not the f64
+/// expansion `-1.670680284500122`).
+fn short(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
+}
+
+/// A `--json` token line: `{"id","text"}` plus `"logprob"` and `"top_logprobs"` when asked for.
+fn token_line(tok: &Tokenizer, e: &TokenEvent<'_>) -> Value {
+    let mut v = json!({"id": e.id, "text": e.text});
+    if e.id.is_none() {
+        v.as_object_mut().expect("object").remove("id");
+    }
+    if let Some(lp) = &e.logprobs {
+        v["logprob"] = json!(short(lp.logprob));
+        let top: Vec<Value> = lp
+            .top
+            .iter()
+            .map(|&(id, logprob)| {
+                let text = String::from_utf8_lossy(&tok.token_bytes(id)).into_owned();
+                json!({"id": id, "text": text, "logprob": short(logprob)})
+            })
+            .collect();
+        v["top_logprobs"] = Value::Array(top);
+    }
+    v
+}
+
 pub fn run(a: RunArgs) -> Result<()> {
     let sampler = a.sampling.config()?;
     let prompt_text = match (&a.prompt, &a.prompt_ids) {
@@ -37,84 +116,70 @@ pub fn run(a: RunArgs) -> Result<()> {
         (Some(p), None) if p != "-" => Some(p.clone()),
         _ => Some(read_stdin_text("prompt")?),
     };
-    let loaded = load(&a.model.model, a.model.threads, a.ctx)?;
-    let (tok, mut runner) = (loaded.tokenizer, loaded.runner);
-    // --chat: the fallback chat format needs stop strings
-    let mut chat_stops: Vec<String> = Vec::new();
-    let prompt: Vec<u32> = match (&a.prompt_ids, &prompt_text) {
+    let loaded = load_model(&a)?;
+    let (prompt, chat_stops) = match (&a.prompt_ids, &prompt_text) {
         (Some(ids), _) => {
-            if let Some(bad) = ids.iter().find(|&&id| id as usize >= runner.vocab_size()) {
+            let vocab = loaded.runner.vocab_size();
+            if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
                 return Err(UsageError(format!(
-                    "--prompt-ids: id {bad} is outside the vocabulary (size {})",
-                    runner.vocab_size()
+                    "--prompt-ids: id {bad} is outside the vocabulary (size {vocab})"
                 ))
                 .into());
             }
-            ids.clone()
+            check_fits(ids, loaded.runner.n_ctx())?;
+            (ids.clone(), Vec::new())
         }
-        (None, Some(text)) if a.chat => {
-            let (ids, stops) = crate::cli::chat::single_turn_prompt(
-                &loaded.gguf,
-                &tok,
-                a.system.as_deref(),
-                text,
-                !a.no_bos,
-            )?;
-            chat_stops = stops;
-            ids
-        }
-        (None, Some(text)) => tok.encode(text, tok.add_bos_default() && !a.no_bos, true)?,
+        (None, Some(text)) => prompt_tokens(&loaded, &a, text)?,
         (None, None) => unreachable!("one of prompt or ids is set above"),
     };
-    if prompt.is_empty() {
-        return Err(UsageError("the prompt is empty".into()).into());
-    }
-    if prompt.len() >= runner.n_ctx() {
-        return Err(UsageError(format!(
-            "the prompt has {} tokens but the context holds {} (raise --ctx)",
-            prompt.len(),
-            runner.n_ctx()
-        ))
-        .into());
-    }
+    let (tok, mut runner) = (loaded.tokenizer, loaded.runner);
     let params = GenParams {
         max_tokens: a.max_tokens,
         sampler,
         stop: [a.stop.clone(), chat_stops].concat(),
     };
     let tty = std::io::stdout().is_terminal();
-    eprintln!(
-        "infer: loaded {} in {:.2} s ({} threads, context {})",
-        a.model.model.display(),
-        loaded.load_secs,
-        loaded.threads,
-        runner.n_ctx()
-    );
     let cancel = cancel_flag();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut seq = Sequence::default();
-    let stats = generate(
+    let bar = progress::prefill(prompt.len());
+    let mut on_prefill = |done: usize, _total: usize| {
+        if let Some(b) = &bar {
+            b.set_position(done as u64);
+        }
+    };
+    let hooks = GenHooks {
+        logprobs: a.logprobs,
+        prefill_progress: Some(&mut on_prefill),
+    };
+    let mut first = true;
+    let stats = generate_with(
         &mut runner,
         &mut seq,
         &tok,
         &prompt,
         &params,
         &cancel,
-        |id, text| {
+        hooks,
+        |e| {
+            if std::mem::take(&mut first) {
+                if let Some(b) = &bar {
+                    b.finish_and_clear();
+                }
+            }
             if a.json {
-                if let Some(id) = id {
-                    writeln!(out, "{}", json!({"id": id, "text": text}))?;
-                } else if !text.is_empty() {
-                    writeln!(out, "{}", json!({"text": text}))?;
+                if e.id.is_some() || !e.text.is_empty() {
+                    writeln!(out, "{}", token_line(&tok, &e))?;
                 }
             } else {
-                out.write_all(text.as_bytes())?;
+                out.write_all(e.text.as_bytes())?;
             }
             out.flush()?;
             Ok(())
         },
     )?;
+    drop(bar);
     if a.json {
         writeln!(
             out,
@@ -133,7 +198,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         writeln!(out)?;
     }
     out.flush()?;
-    eprintln!(
+    note!(
         "infer: prompt {} tokens, {:.1} tokens/s; generated {} tokens, {:.1} tokens/s; stop: {}",
         stats.prompt_tokens,
         stats.prompt_tps(),

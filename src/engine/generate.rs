@@ -1,6 +1,8 @@
 //! The generation loop: prefill a prompt, then sample, stream and stop. Text reaches the caller only
 //! once it is whole UTF-8 and cannot be the start of a stop string; a stop string itself is never
 //! emitted. The loop checks a cancel flag every token so Ctrl-C ends it cleanly.
+//! [`generate_with`] adds optional per-token log-probabilities and prefill progress; neither
+//! changes which tokens are sampled.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -8,7 +10,7 @@ use std::time::Instant;
 use anyhow::Result;
 
 use crate::engine::runner::{Runner, Sequence};
-use crate::engine::sampler::{Sampler, SamplerConfig};
+use crate::engine::sampler::{log_softmax_top, Sampler, SamplerConfig};
 use crate::engine::stop::StopMatcher;
 use crate::model::Backend;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -76,6 +78,35 @@ fn rate(n: usize, secs: f64) -> f64 {
     }
 }
 
+/// Log-probabilities of a generated token (see [`log_softmax_top`]: the log-softmax of the raw
+/// logits at temperature 1, whatever the sampling settings).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// `ln p` of the generated token.
+    pub logprob: f32,
+    /// The most likely tokens as `(id, ln p)`, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What [`generate_with`] reports per step: a generated token (`id` set) with the text it
+/// releases (possibly empty), or (`id` unset) the text held back until the end.
+#[derive(Clone, Debug)]
+pub struct TokenEvent<'a> {
+    pub id: Option<u32>,
+    pub text: &'a str,
+    /// Set for generated tokens when [`GenHooks::logprobs`] asks for them.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// Optional extras of [`generate_with`]; `Default` asks for none.
+#[derive(Default)]
+pub struct GenHooks<'a> {
+    /// `Some(n)`: each generated token carries its log-probability and the `n` most likely tokens.
+    pub logprobs: Option<usize>,
+    /// Called with `(computed, total)` prompt tokens after each prefill chunk.
+    pub prefill_progress: Option<&'a mut dyn FnMut(usize, usize)>,
+}
+
 /// Generates a continuation of `prompt` in `seq` (whose cached prefix is reused where it matches).
 /// `on_token(Some(id), text)` receives each generated token and the text it releases (possibly empty);
 /// `on_token(None, text)` the text held back until the end.
@@ -88,13 +119,34 @@ pub fn generate<B: Backend>(
     cancel: &AtomicBool,
     mut on_token: impl FnMut(Option<u32>, &str) -> Result<()>,
 ) -> Result<GenStats> {
+    let hooks = GenHooks::default();
+    generate_with(runner, seq, tok, prompt, params, cancel, hooks, |e| {
+        on_token(e.id, e.text)
+    })
+}
+
+/// [`generate`] with [`GenHooks`]: per-token log-probabilities and prefill progress.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_with<B: Backend>(
+    runner: &mut Runner<B>,
+    seq: &mut Sequence,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    params: &GenParams,
+    cancel: &AtomicBool,
+    hooks: GenHooks<'_>,
+    mut on_token: impl FnMut(TokenEvent<'_>) -> Result<()>,
+) -> Result<GenStats> {
     anyhow::ensure!(
         !prompt.is_empty(),
         "the prompt is empty: give at least one token"
     );
     let t0 = Instant::now();
     let reused = runner.reuse_prefix(seq, prompt);
-    let mut logits = runner.compute(seq)?;
+    let mut logits = match hooks.prefill_progress {
+        Some(p) => runner.compute_progress(seq, p)?,
+        None => runner.compute(seq)?,
+    };
     let prompt_secs = t0.elapsed().as_secs_f64();
 
     let mut sampler = Sampler::new(params.sampler.clone());
@@ -113,11 +165,19 @@ pub fn generate<B: Backend>(
         if tok.is_eog(id) {
             break StopReason::Eos;
         }
+        let logprobs = hooks.logprobs.map(|n| {
+            let (logprob, top) = log_softmax_top(&logits, id, n);
+            TokenLogprobs { logprob, top }
+        });
         generated += 1;
         seq.tokens.push(id);
         let text = utf8.push(&tok.token_bytes(id));
         let (emit, hit) = stops.push(&text);
-        on_token(Some(id), &emit)?;
+        on_token(TokenEvent {
+            id: Some(id),
+            text: &emit,
+            logprobs,
+        })?;
         if hit {
             break StopReason::StopString;
         }
@@ -133,7 +193,11 @@ pub fn generate<B: Backend>(
         let mut tail = utf8.flush();
         tail = stops.push(&tail).0 + &stops.finish();
         if !tail.is_empty() {
-            on_token(None, &tail)?;
+            on_token(TokenEvent {
+                id: None,
+                text: &tail,
+                logprobs: None,
+            })?;
         }
     }
     Ok(GenStats {

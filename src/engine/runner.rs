@@ -58,14 +58,24 @@ impl<B: Backend> Runner<B> {
 
     /// Computes the sequence's uncached tokens and returns the logits of the last one.
     pub fn compute(&mut self, seq: &mut Sequence) -> Result<Vec<f32>> {
+        self.compute_progress(seq, &mut |_, _| {})
+    }
+
+    /// [`Runner::compute`], calling `progress(done, total)` with the tokens computed so far after
+    /// each forward call (one per [`PREFILL_CHUNK`] tokens), for progress bars.
+    pub fn compute_progress(
+        &mut self,
+        seq: &mut Sequence,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Vec<f32>> {
         let n = seq.tokens.len();
-        self.compute_with(seq, |i| i + 1 == n)
+        self.compute_with(seq, |i| i + 1 == n, progress)
             .map(|mut l| l.pop().expect("last row always has logits"))
     }
 
     /// Computes the uncached tokens and returns logits for every one of them (speculative verification).
     pub fn compute_all(&mut self, seq: &mut Sequence) -> Result<Vec<Vec<f32>>> {
-        self.compute_with(seq, |_| true)
+        self.compute_with(seq, |_| true, &mut |_, _| {})
     }
 
     /// Appends `tokens` and returns the logits of the last one.
@@ -79,6 +89,7 @@ impl<B: Backend> Runner<B> {
         &mut self,
         seq: &mut Sequence,
         want: impl Fn(usize) -> bool,
+        progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Vec<Vec<f32>>> {
         let (start, end) = (seq.n_cached, seq.tokens.len());
         if start >= end {
@@ -106,6 +117,7 @@ impl<B: Backend> Runner<B> {
             let logits = self.model.forward(&mut self.kv, &batch)?;
             out.extend(logits);
             seq.n_cached = stop;
+            progress(stop - start, end - start);
         }
         Ok(out)
     }

@@ -554,6 +554,34 @@ impl Sampler {
     }
 }
 
+/// Log-probabilities under the model's own distribution: the log-softmax of the raw `logits` at
+/// temperature 1, before penalties, truncation or temperature (as llama.cpp's server and OpenAI
+/// report them), computed in f64. Returns `ln p(chosen)` and the `n` most likely tokens as
+/// `(id, ln p)`, most likely first, ties by ascending id. Non-finite logits are sanitized as
+/// for sampling, so every value is finite and `<= 0`.
+pub fn log_softmax_top(logits: &[f32], chosen: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().fold(f32::MIN, |m, &x| m.max(sanitize(x)));
+    let sum: f64 = logits
+        .iter()
+        .map(|&x| (f64::from(sanitize(x)) - f64::from(max)).exp())
+        .sum();
+    let lse = f64::from(max) + sum.ln();
+    let lp = |id: u32| (f64::from(sanitize(logits[id as usize])) - lse).min(0.0) as f32;
+    let n = n.min(logits.len());
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let order = |a: &u32, b: &u32| {
+        sanitize(logits[*b as usize])
+            .total_cmp(&sanitize(logits[*a as usize]))
+            .then(a.cmp(b))
+    };
+    if n > 0 && n < ids.len() {
+        ids.select_nth_unstable_by(n - 1, order);
+    }
+    ids.truncate(n);
+    ids.sort_unstable_by(order);
+    (lp(chosen), ids.into_iter().map(|id| (id, lp(id))).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -952,5 +980,30 @@ mod tests {
         for _ in 0..500 {
             assert!(allowed.contains(&s.sample(&l, &hist)));
         }
+    }
+
+    #[test]
+    fn log_softmax_top_matches_direct_softmax() {
+        let mut l = random_logits(1000, 7);
+        l[3] = f32::NEG_INFINITY;
+        l[5] = l[9]; // a tie: the lower id first
+        let p = softmax(&l);
+        let (chosen, top) = log_softmax_top(&l, 42, 10);
+        assert!((f64::from(chosen) - p[42].ln()).abs() < 1e-5);
+        assert_eq!(top.len(), 10);
+        let mut want: Vec<u32> = (0..1000).collect();
+        want.sort_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
+        for (&(id, lp), &w) in top.iter().zip(&want) {
+            assert_eq!(id, w);
+            assert!((f64::from(lp) - p[w as usize].ln()).abs() < 1e-5);
+        }
+        let mass: f64 = top.iter().map(|&(_, lp)| f64::from(lp).exp()).sum();
+        assert!(mass <= 1.0 + 1e-9);
+        let (lp3, all) = log_softmax_top(&l, 3, 5000);
+        assert!(lp3.is_finite() && lp3 < -1e30);
+        assert_eq!(all.len(), 1000);
+        let total: f64 = all.iter().map(|&(_, lp)| f64::from(lp).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5, "{total}");
+        assert!(log_softmax_top(&l, 0, 0).1.is_empty());
     }
 }
