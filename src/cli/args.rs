@@ -131,6 +131,8 @@ pub struct RunArgs {
     pub max_tokens: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Context size in tokens (default: 4096, at most the model's training context)
     #[arg(short, long)]
     pub ctx: Option<usize>,
@@ -218,4 +220,17 @@ pub struct BenchArgs {
     /// One JSON object on stdout instead of the table
     #[arg(long)]
     pub json: bool,
+}
+
+/// Speculative decoding flags of `run`.
+#[derive(Args, Debug, Clone)]
+pub struct SpecArgs {
+    /// Prompt-lookup speculative decoding: draft the tokens that followed the latest earlier
+    /// occurrence of the last N tokens (longest n-gram tried; 0 = off) and verify them in one
+    /// forward. Greedy output is unchanged; sampling keeps the model's distribution
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub lookup: usize,
+    /// Most tokens drafted per step with --lookup (the draft length adapts below it)
+    #[arg(long, value_name = "K", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub draft_max: u64,
 }

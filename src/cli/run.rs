@@ -17,6 +17,7 @@ use crate::cli::tokenize::read_stdin_text;
 use crate::cli::{note, progress, UsageError};
 use infer::engine::generate::{generate_with, GenHooks, GenParams, TokenEvent};
 use infer::engine::runner::Sequence;
+use infer::engine::speculative::PromptLookup;
 use infer::tokenizer::Tokenizer;
 /// Installs the Ctrl-C handler once and returns the flag it raises.
 pub fn cancel_flag() -> Arc<AtomicBool> {
@@ -149,9 +150,12 @@ pub fn run(a: RunArgs) -> Result<()> {
             b.set_position(done as u64);
         }
     };
+    let mut lookup =
+        (a.spec.lookup > 0).then(|| PromptLookup::new(a.spec.lookup, a.spec.draft_max as usize));
     let hooks = GenHooks {
         logprobs: a.logprobs,
         prefill_progress: Some(&mut on_prefill),
+        lookup: lookup.as_mut(),
     };
     let mut first = true;
     let stats = generate_with(
@@ -191,6 +195,12 @@ pub fn run(a: RunArgs) -> Result<()> {
                 "prompt_tps": round2(stats.prompt_tps()),
                 "gen_tps": round2(stats.gen_tps()),
                 "stop": stats.stop.as_str(),
+                "speculative": lookup.as_ref().map(|l| json!({
+                    "drafted": l.stats.drafted,
+                    "accepted": l.stats.accepted,
+                    "acceptance": round2(l.stats.acceptance()),
+                    "tokens_per_forward": round2(l.stats.tokens_per_forward()),
+                })),
             })
         )?;
     } else if tty {
@@ -206,6 +216,15 @@ pub fn run(a: RunArgs) -> Result<()> {
         stats.gen_tps(),
         stats.stop.as_str()
     );
+    if let Some(l) = &lookup {
+        note!(
+            "infer: lookup drafted {} tokens, accepted {} ({:.0}%), {:.2} tokens per forward",
+            l.stats.drafted,
+            l.stats.accepted,
+            100.0 * l.stats.acceptance(),
+            l.stats.tokens_per_forward()
+        );
+    }
     Ok(())
 }
 

@@ -11,6 +11,7 @@ use anyhow::Result;
 
 use crate::engine::runner::{Runner, Sequence};
 use crate::engine::sampler::{log_softmax_top, Sampler, SamplerConfig};
+use crate::engine::speculative::PromptLookup;
 use crate::engine::stop::StopMatcher;
 use crate::model::Backend;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -105,6 +106,8 @@ pub struct GenHooks<'a> {
     pub logprobs: Option<usize>,
     /// Called with `(computed, total)` prompt tokens after each prefill chunk.
     pub prefill_progress: Option<&'a mut dyn FnMut(usize, usize)>,
+    /// Speculative decoding by prompt lookup (see `speculative`); its counters are updated.
+    pub lookup: Option<&'a mut PromptLookup>,
 }
 
 /// Generates a continuation of `prompt` in `seq` (whose cached prefix is reused where it matches).
@@ -154,6 +157,12 @@ pub fn generate_with<B: Backend>(
     let mut utf8 = StreamDecoder::new();
     let t1 = Instant::now();
     let mut generated = 0;
+    let mut lookup = hooks.lookup;
+    // Speculation: verified tokens (already in `seq`, cached) with the logits after each, and the
+    // token decided where verification stopped.
+    let mut verified: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
+    let mut decided: Option<u32> = None;
+    let emitted_base = seq.tokens.len();
     let stop = loop {
         if cancel.load(Ordering::Relaxed) {
             break StopReason::Interrupted;
@@ -161,7 +170,12 @@ pub fn generate_with<B: Backend>(
         if generated >= params.max_tokens {
             break StopReason::Length;
         }
-        let id = sampler.sample(&logits, &seq.tokens);
+        let next_verified = verified.pop_front();
+        let id = match (&next_verified, decided.take()) {
+            (Some((d, _)), _) => *d,
+            (None, Some(d)) => d,
+            (None, None) => sampler.sample(&logits, &seq.tokens[..emitted_base + generated]),
+        };
         if tok.is_eog(id) {
             break StopReason::Eos;
         }
@@ -170,7 +184,9 @@ pub fn generate_with<B: Backend>(
             TokenLogprobs { logprob, top }
         });
         generated += 1;
-        seq.tokens.push(id);
+        if next_verified.is_none() {
+            seq.tokens.push(id);
+        }
         let text = utf8.push(&tok.token_bytes(id));
         let (emit, hit) = stops.push(&text);
         on_token(TokenEvent {
@@ -187,8 +203,20 @@ pub fn generate_with<B: Backend>(
         if seq.tokens.len() >= runner.n_ctx() {
             break StopReason::ContextFull;
         }
-        logits = runner.compute(seq)?;
+        logits = match (next_verified, lookup.as_deref_mut()) {
+            (Some((_, after)), _) => after,
+            (None, Some(l)) => {
+                let room = params.max_tokens - generated;
+                let step = l.step(runner, seq, room, |lg, h| sampler.sample(lg, h))?;
+                verified = step.accepted;
+                decided = step.rejected_with;
+                step.logits
+            }
+            (None, None) => runner.compute(seq)?,
+        };
     };
+    // Verified tokens past where generation stopped were never emitted: forget them.
+    runner.truncate(seq, emitted_base + generated);
     if stop != StopReason::StopString {
         let mut tail = utf8.flush();
         tail = stops.push(&tail).0 + &stops.finish();

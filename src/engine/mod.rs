@@ -7,4 +7,5 @@ pub mod generate;
 pub mod runner;
 
 pub mod sampler;
+pub mod speculative;
 pub mod stop;

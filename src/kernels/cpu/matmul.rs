@@ -68,7 +68,16 @@ pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct, in
         quantize_rows(pool, w.ty, x, a_bytes, xq);
         if let Some(packed) = w.packed_q4k(pool) {
             let gemm = !invariant;
-            crate::kernels::cpu::q4k_x8::matmul(pool, packed, rows, cols, xq, n, gemm, &mut out.data);
+            crate::kernels::cpu::q4k_x8::matmul(
+                pool,
+                packed,
+                rows,
+                cols,
+                xq,
+                n,
+                gemm,
+                &mut out.data,
+            );
         } else if q80_gemm::applies(w.ty, cols, n) {
             let done = q80_gemm::matmul(pool, w.ty, w.bytes(), rows, cols, xq, n, &mut out.data);
             matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
