@@ -212,6 +212,7 @@ impl Heads<'_> {
 /// gemma, scaled) over its sequence's cached keys `lo..=pos`, written to `out` (same shape), with
 /// the kernel llama.cpp would use for a forward of `queries.len()` rows — or, with `invariant`,
 /// for each row the kernel a one-row forward would use.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
     q: &CpuAct,

@@ -116,7 +116,9 @@ impl CpuBackend {
         let len = data.len();
         let pieces = len.div_ceil(chunk.max(1));
         if len < PAR_MIN || pieces < 2 {
-            data.chunks_mut(chunk.max(1)).enumerate().for_each(|(i, c)| f(i, c));
+            data.chunks_mut(chunk.max(1))
+                .enumerate()
+                .for_each(|(i, c)| f(i, c));
             return;
         }
         let p = SharedF32(data.as_mut_ptr());
@@ -278,7 +280,13 @@ impl Backend for CpuBackend {
     fn matmul(&self, w: &CpuWeight, x: &CpuAct, bias: Option<&Vec<f32>>, out: &mut CpuAct) {
         debug_assert_eq!(x.cols, w.cols);
         debug_assert_eq!(out.cols, w.rows);
-        matmul::matmul(&self.pool, w, x, out, self.row_invariant.load(Ordering::Relaxed));
+        matmul::matmul(
+            &self.pool,
+            w,
+            x,
+            out,
+            self.row_invariant.load(Ordering::Relaxed),
+        );
         if let Some(b) = bias {
             for row in out.data.chunks_exact_mut(w.rows) {
                 row.iter_mut().zip(b).for_each(|(o, b)| *o += b);

@@ -133,6 +133,7 @@ impl SharedBytes {
 
 /// The unpacked path: every weight row from `first_row` on against the activation rows in tiles
 /// of four (`invariant`: no GEMM flavours, each row as a one-row call computes it).
+#[allow(clippy::too_many_arguments)]
 fn matmul_rows(
     pool: &ThreadPool,
     w: &CpuWeight,

@@ -130,6 +130,7 @@ fn rows_per_chunk(a_row_bytes: usize) -> usize {
 /// activation rows already quantized to Q8_K (`xq`: `n` rows of `cols / 256` blocks). With `gemm`,
 /// whole groups of four rows take the GEMM flavour when `n >= 4` and the rest the GEMV flavour, as
 /// llama.cpp splits them; without, every row takes the GEMV flavour (what a one-row call gives).
+#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     pool: &ThreadPool,
     packed: &[u8],
