@@ -3,13 +3,8 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use common::{fixture, model, GEMMA, QWEN};
-use infer::engine::runner::{Runner, Sequence, BLOCK_SIZE};
-use infer::format::Gguf;
-use infer::kernels::cpu::backend::CpuBackend;
-use infer::model::{Model, ModelConfig, Weights};
+use common::{argmax, fixture, load_runner, model, GEMMA, QWEN};
+use infer::engine::runner::Sequence;
 
 fn ids(name: &str, tag: &str) -> Vec<u32> {
     let s = std::fs::read_to_string(fixture(&format!("refs/{name}.ids"))).unwrap();
@@ -21,28 +16,8 @@ fn ids(name: &str, tag: &str) -> Vec<u32> {
         .collect()
 }
 
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 fn check(file: &str, name: &str) {
-    let g = Arc::new(Gguf::open(&model(file)).unwrap());
-    let cfg = ModelConfig::from_gguf(&g).unwrap();
-    let backend = CpuBackend::new(2);
-    let weights = Weights::load(&g, &cfg, &backend).unwrap();
-    let model = Model {
-        cfg,
-        weights,
-        backend,
-        block_size: BLOCK_SIZE,
-    };
-    let mut runner = Runner::new(model, 256).unwrap();
+    let (_, mut runner) = load_runner(&model(file), 256);
     let prompt = ids(name, "PROMPT_IDS:");
     let want = ids(name, "GEN_IDS:");
     let mut seq = Sequence::default();

@@ -5,14 +5,9 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use common::{fixture, model, GEMMA, QWEN};
-use infer::engine::runner::{Runner, Sequence, BLOCK_SIZE};
-use infer::format::Gguf;
-use infer::kernels::cpu::backend::CpuBackend;
+use common::{argmax, fixture, load_runner, model, GEMMA, QWEN};
+use infer::engine::runner::Sequence;
 use infer::model::backend::Backend;
-use infer::model::{Model, ModelConfig, Weights};
 
 fn prompt_ids(name: &str) -> Vec<u32> {
     let s = std::fs::read_to_string(fixture(&format!("refs/{name}.ids"))).unwrap();
@@ -24,22 +19,8 @@ fn prompt_ids(name: &str) -> Vec<u32> {
         .collect()
 }
 
-fn argmax(v: &[f32]) -> u32 {
-    (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b }) as u32
-}
-
 fn check(file: &str, name: &str, min_context: usize) {
-    let g = Arc::new(Gguf::open(&model(file)).unwrap());
-    let cfg = ModelConfig::from_gguf(&g).unwrap();
-    let backend = CpuBackend::new(2);
-    let weights = Weights::load(&g, &cfg, &backend).unwrap();
-    let model = Model {
-        cfg,
-        weights,
-        backend,
-        block_size: BLOCK_SIZE,
-    };
-    let mut runner = Runner::new(model, 1024).unwrap();
+    let (_, mut runner) = load_runner(&model(file), 1024);
     let base = prompt_ids(name);
     let mut prompt = base.clone();
     while prompt.len() < min_context {

@@ -5,16 +5,13 @@
 mod common;
 
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
-use common::{model, GEMMA, QWEN};
+use common::{load_runner, model, GEMMA, QWEN};
 use infer::engine::generate::{generate_with, GenHooks, GenParams};
-use infer::engine::runner::{Runner, Sequence, BLOCK_SIZE};
+use infer::engine::runner::{Runner, Sequence};
 use infer::engine::sampler::SamplerConfig;
 use infer::engine::speculative::PromptLookup;
-use infer::format::Gguf;
 use infer::kernels::cpu::backend::CpuBackend;
-use infer::model::{Model, ModelConfig, Weights};
 use infer::tokenizer::Tokenizer;
 
 /// A code-editing request: the answer repeats most of the prompt, which lookup drafts from.
@@ -58,18 +55,8 @@ fn run(
 }
 
 fn check(file: &str, max_tokens: usize, stop: &[&str]) {
-    let g = Arc::new(Gguf::open(&model(file)).unwrap());
-    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let (g, mut runner) = load_runner(&model(file), 1024);
     let tok = Tokenizer::from_gguf(&g).unwrap();
-    let backend = CpuBackend::new(2);
-    let weights = Weights::load(&g, &cfg, &backend).unwrap();
-    let model = Model {
-        cfg,
-        weights,
-        backend,
-        block_size: BLOCK_SIZE,
-    };
-    let mut runner = Runner::new(model, 1024).unwrap();
     let prompt = tok.encode(PROMPT, true, true).unwrap();
     let params = GenParams {
         max_tokens,

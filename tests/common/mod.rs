@@ -67,3 +67,30 @@ macro_rules! infer_ok {
         common::stdout(&o)
     }};
 }
+
+/// Opens a GGUF and builds a CPU runner (2 threads) with `n_ctx` positions of KV.
+pub fn load_runner(
+    path: &std::path::Path,
+    n_ctx: usize,
+) -> (
+    std::sync::Arc<infer::format::Gguf>,
+    infer::engine::runner::Runner<infer::kernels::cpu::backend::CpuBackend>,
+) {
+    use infer::model::{Model, ModelConfig, Weights};
+    let g = std::sync::Arc::new(infer::format::Gguf::open(path).unwrap());
+    let cfg = ModelConfig::from_gguf(&g).unwrap();
+    let backend = infer::kernels::cpu::backend::CpuBackend::new(2);
+    let weights = Weights::load(&g, &cfg, &backend).unwrap();
+    let model = Model {
+        cfg,
+        weights,
+        backend,
+        block_size: infer::engine::runner::BLOCK_SIZE,
+    };
+    (g, infer::engine::runner::Runner::new(model, n_ctx).unwrap())
+}
+
+/// Index of the largest logit (the lowest index on ties, as greedy sampling picks).
+pub fn argmax(v: &[f32]) -> u32 {
+    (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b }) as u32
+}

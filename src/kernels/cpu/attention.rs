@@ -23,6 +23,7 @@
 //! Each call first widens the K/V rows its queries can see to f32 (exact), once per sequence; then
 //! each (query row, head) pair is one unit of work split across the pool.
 
+use crate::kernels::cpu::SharedMut;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -39,20 +40,6 @@ const FA_TILE_KV: usize = 64;
 const KV_PAD: usize = 256;
 /// Minimum KV length of ggml's split-KV decode kernel.
 const SPLIT_KV_MIN: usize = 512;
-
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: each (query, head) unit writes only its own head_dim slice of the output, and the pool joins
-// all threads before the output is read.
-unsafe impl Sync for SharedOut {}
-unsafe impl Send for SharedOut {}
-
-impl SharedOut {
-    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
-    fn ptr(self) -> *mut f32 {
-        self.0
-    }
-}
 
 /// The thread count of the llama.cpp run being mimicked, which decides how ggml splits long decode
 /// attention (one KV chunk per thread). The reference runs llama.cpp's default on a 2-core machine,
@@ -284,7 +271,7 @@ pub fn attention(
     }
     let kvd = kv.kv_dim;
     let out_cols = out.cols;
-    let dst = SharedOut(out.data.as_mut_ptr());
+    let dst = SharedMut(out.data.as_mut_ptr());
     pool.for_range(queries.len() * shape.n_head, 1, |range| {
         let mut scratch = Scratch::new(hd);
         let mut res = vec![0f32; hd];

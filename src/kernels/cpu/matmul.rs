@@ -26,6 +26,7 @@ use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::q6k_x8;
 use crate::kernels::cpu::q80_gemm;
 use crate::kernels::cpu::simd;
+use crate::kernels::cpu::SharedMut;
 use crate::quant::Q8Variant;
 
 /// Weight types this matmul can multiply.
@@ -35,21 +36,6 @@ pub fn supported(ty: GgmlType) -> bool {
         ty,
         F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2K | Q3K | Q4K | Q5K | Q6K
     )
-}
-
-/// A raw pointer that may be shared across the pool's threads.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: every thread writes a disjoint set of elements (its own output rows) and the pool joins
-// all threads before the buffer is used again.
-unsafe impl Sync for SharedOut {}
-unsafe impl Send for SharedOut {}
-
-impl SharedOut {
-    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
-    fn ptr(self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// Activation rows per tile call (the kernels take up to four rows at once).
@@ -101,7 +87,7 @@ thread_local! {
 fn quantize_rows(pool: &ThreadPool, ty: GgmlType, x: &CpuAct, a_bytes: usize, xq: &mut Vec<u8>) {
     let n = x.rows;
     xq.resize(n * a_bytes, 0);
-    let dst = SharedBytes(xq.as_mut_ptr());
+    let dst = SharedMut(xq.as_mut_ptr());
     let min_rows = if x.cols >= 4096 { 1 } else { 4 };
     pool.for_range(n, min_rows, |range| {
         let mut tmp = Vec::with_capacity(a_bytes);
@@ -115,20 +101,6 @@ fn quantize_rows(pool: &ThreadPool, ty: GgmlType, x: &CpuAct, a_bytes: usize, xq
             };
         }
     });
-}
-
-/// A raw byte pointer shared across the pool's threads (each writes its own rows).
-#[derive(Clone, Copy)]
-struct SharedBytes(*mut u8);
-// SAFETY: each thread writes a disjoint set of rows and the pool joins before the bytes are read.
-unsafe impl Sync for SharedBytes {}
-unsafe impl Send for SharedBytes {}
-
-impl SharedBytes {
-    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
-    fn ptr(self) -> *mut u8 {
-        self.0
-    }
 }
 
 /// The unpacked path: every weight row from `first_row` on against the activation rows in tiles
@@ -169,7 +141,7 @@ fn matmul_rows(
     let tiled = w.ty == GgmlType::Q6K && n >= 8 && !invariant;
     let wb = w.bytes();
     let rb = w.row_bytes;
-    let dst = SharedOut(out.data.as_mut_ptr());
+    let dst = SharedMut(out.data.as_mut_ptr());
     pool.for_range(rows - first_row, 16, |range| {
         let mut res = [0f32; TILE];
         for r in range.start + first_row..range.end + first_row {
@@ -206,7 +178,7 @@ fn decode_rows(
     out: &mut [f32],
 ) {
     let (wb, rb) = (w.bytes(), w.row_bytes);
-    let dst = SharedOut(out.as_mut_ptr());
+    let dst = SharedMut(out.as_mut_ptr());
     pool.for_range(w.rows - first_row, 64, |range| {
         let (lo, hi) = (range.start + first_row, range.end + first_row);
         // SAFETY: rows lo..hi are this chunk's only (disjoint from every other thread's) and
@@ -501,15 +473,7 @@ mod tests {
     use super::*;
     use crate::quant::{quantize_activations, quantize_row};
 
-    fn data(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                ((s >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 4.0
-            })
-            .collect()
-    }
+    use crate::kernels::cpu::test_floats as data;
 
     #[test]
     fn flavors_simd_equal_scalar() {

@@ -12,3 +12,32 @@ pub mod q4k_x8;
 pub mod q6k_x8;
 pub mod q80_gemm;
 pub mod simd;
+
+/// A raw pointer into a buffer that the pool's threads write in disjoint parts (each its own
+/// output rows or pieces); the pool joins every thread before the buffer is read or written again.
+/// Users state at each write why their part is disjoint and in bounds.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedMut<T>(pub(crate) *mut T);
+// SAFETY: see the type's contract above: writes through it are disjoint across threads and end
+// before the pool call returns.
+unsafe impl<T> Sync for SharedMut<T> {}
+unsafe impl<T> Send for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    pub(crate) fn ptr(self) -> *mut T {
+        self.0
+    }
+}
+
+/// Deterministic test floats in [-2, 2) (an LCG), for the kernel tests.
+#[cfg(test)]
+pub(crate) fn test_floats(n: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            ((s >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 4.0
+        })
+        .collect()
+}

@@ -26,6 +26,7 @@
 //! for bit, and what runs on CPUs without AVX2.
 
 use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::SharedMut;
 use crate::quant::blocks::get_scale_min_k4;
 
 #[cfg(target_arch = "x86_64")]
@@ -55,12 +56,14 @@ pub fn pack(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize) -> Vec<u8> 
     let groups = rows / GROUP;
     let group_bytes = nb * BLOCK_BYTES;
     let mut out = vec![0u8; groups * group_bytes];
-    let dst = SharedBytes(out.as_mut_ptr());
+    let dst = SharedMut(out.as_mut_ptr());
     pool.for_range(groups, 4, |range| {
         for g in range {
             // SAFETY: group g's packed bytes `g * group_bytes .. (g + 1) * group_bytes` lie inside
             // `out` (g < groups) and belong to this chunk only, so no two threads alias them.
-            let o = unsafe { std::slice::from_raw_parts_mut(dst.at(g * group_bytes), group_bytes) };
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(dst.ptr().add(g * group_bytes), group_bytes)
+            };
             pack_group(
                 &src[g * GROUP * row_bytes..(g + 1) * GROUP * row_bytes],
                 nb,
@@ -94,32 +97,6 @@ fn pack_group(src: &[u8], nb: usize, out: &mut [u8]) {
     }
 }
 
-/// A raw pointer shared across the pool's threads (each writes its own disjoint elements).
-#[derive(Clone, Copy)]
-struct SharedBytes(*mut u8);
-// SAFETY: users write disjoint ranges and the pool joins before the buffer is read.
-unsafe impl Sync for SharedBytes {}
-unsafe impl Send for SharedBytes {}
-impl SharedBytes {
-    fn at(self, i: usize) -> *mut u8 {
-        // SAFETY: callers pass offsets inside the allocation.
-        unsafe { self.0.add(i) }
-    }
-}
-
-/// A raw f32 output pointer shared across the pool's threads.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: every thread writes the output columns of its own weight groups only, and the pool
-// joins all threads before the buffer is used again.
-unsafe impl Sync for SharedOut {}
-unsafe impl Send for SharedOut {}
-impl SharedOut {
-    fn ptr(self) -> *mut f32 {
-        self.0
-    }
-}
-
 /// Activation rows per cache block of the GEMM: enough bytes to stay in L2 next to a weight
 /// group, in whole groups of four.
 fn rows_per_chunk(a_row_bytes: usize) -> usize {
@@ -150,7 +127,7 @@ pub fn matmul(
     let chunk = rows_per_chunk(a_row);
     let groups = rows / GROUP;
     let group_bytes = nb * BLOCK_BYTES;
-    let dst = SharedOut(out.as_mut_ptr());
+    let dst = SharedMut(out.as_mut_ptr());
     let min_groups = if n == 1 { 8 } else { 1 };
     pool.for_range(groups, min_groups, |range| {
         let kernel = |g: usize, t0: usize, m: usize, pair: bool| {

@@ -6,15 +6,7 @@ use crate::format::GgmlType;
 use crate::kernels::cpu::simd;
 use crate::quant::{quantize_activations, quantize_row};
 
-fn data(n: usize, seed: u32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            ((s >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 4.0
-        })
-        .collect()
-}
+use crate::kernels::cpu::test_floats as data;
 
 /// A `rows × cols` Q4_K matrix (file layout) and `n` Q8_K activation rows.
 fn problem(rows: usize, cols: usize, n: usize) -> (Vec<u8>, Vec<u8>) {

@@ -15,6 +15,7 @@
 //! kernel is held to, bit for bit.
 
 use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::SharedMut;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -71,19 +72,6 @@ pub fn pack_group(src: &[u8], nb: usize, panel: &mut [u8]) {
     }
 }
 
-/// A raw f32 output pointer shared across the pool's threads.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: every thread writes the output columns of its own weight groups only, and the pool
-// joins all threads before the buffer is used again.
-unsafe impl Sync for SharedOut {}
-unsafe impl Send for SharedOut {}
-impl SharedOut {
-    fn ptr(self) -> *mut f32 {
-        self.0
-    }
-}
-
 /// `out (n × rows)` columns `0..rows / 8 * 8` of `x · Wᵀ` for a Q6_K matrix `w` (file layout,
 /// `rows × cols`) and `n` Q8_K activation rows `xq`; returns how many rows it computed (the rest,
 /// fewer than eight, are the caller's).
@@ -105,7 +93,7 @@ pub fn matmul(
     assert_eq!(xq.len(), n * a_row, "activation bytes");
     assert_eq!(out.len(), n * rows, "output size");
     let groups = rows / GROUP;
-    let dst = SharedOut(out.as_mut_ptr());
+    let dst = SharedMut(out.as_mut_ptr());
     pool.for_range(groups, 1, |range| {
         let mut panel = vec![0u8; nb * PANEL_BLOCK];
         for g in range {

@@ -4,15 +4,7 @@ use super::*;
 use crate::format::GgmlType;
 use crate::quant::{quantize_activations, quantize_row};
 
-fn data(n: usize, seed: u32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            ((s >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 4.0
-        })
-        .collect()
-}
+use crate::kernels::cpu::test_floats as data;
 
 #[test]
 fn panel_kernel_matches_twin_and_tiled_matmul() {

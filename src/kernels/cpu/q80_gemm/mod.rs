@@ -16,6 +16,7 @@
 
 use crate::format::GgmlType;
 use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::SharedMut;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -100,19 +101,6 @@ fn pack_group_scalar(ty: GgmlType, src: &[u8], row_bytes: usize, nb: usize, pane
     }
 }
 
-/// A raw f32 output pointer shared across the pool's threads.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: every thread writes the output columns of its own weight groups only, and the pool
-// joins all threads before the buffer is used again.
-unsafe impl Sync for SharedOut {}
-unsafe impl Send for SharedOut {}
-impl SharedOut {
-    fn ptr(self) -> *mut f32 {
-        self.0
-    }
-}
-
 /// Columns `0..rows / 4 * 4` of `out (n × rows) = x · Wᵀ` for a `ty` matrix `w` (file layout) and
 /// `n` Q8_0 activation rows `xq`; returns how many weight rows it computed.
 #[allow(clippy::too_many_arguments)]
@@ -141,7 +129,7 @@ pub fn matmul(
         })
         .collect();
     let groups = rows / GROUP;
-    let dst = SharedOut(out.as_mut_ptr());
+    let dst = SharedMut(out.as_mut_ptr());
     pool.for_range(groups, 1, |range| {
         let mut panel = vec![0u8; nb * GROUP * SLOT];
         for g in range {
