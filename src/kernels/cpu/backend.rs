@@ -192,7 +192,13 @@ impl Backend for CpuBackend {
             row_bytes,
             offset,
             packed: OnceLock::new(),
-        })
+        };
+        // Repack Q4_K matrices now, so that the cost shows in the load time rather than in the
+        // first prompt; an embedding table is only packed if a matmul ever uses it (tied output).
+        if src.name != "token_embd.weight" {
+            w.packed_q4k(&self.pool);
+        }
+        Ok(w)
     }
 
     fn load_vector(&self, data: &[f32]) -> Result<Vec<f32>> {
