@@ -768,9 +768,16 @@ fn bad_inputs_give_clear_errors_and_leave_no_output() {
         quantize_err(&["--from-hf", src.to_str().unwrap(), "--out", o, "--type", ty])
     };
 
-    let e = run(&fixture("deepseek-v3-mla"), "f16");
+    let unknown = dir.join("unknown-arch");
+    std::fs::create_dir_all(&unknown).unwrap();
+    std::fs::write(
+        unknown.join("config.json"),
+        r#"{"architectures": ["FalconForCausalLM"], "hidden_size": 64}"#,
+    )
+    .unwrap();
+    let e = run(&unknown, "f16");
     assert!(
-        e.contains("DeepseekV3ForCausalLM")
+        e.contains("FalconForCausalLM")
             && e.contains("LlamaForCausalLM")
             && e.contains("Gemma3ForCausalLM"),
         "{e}"

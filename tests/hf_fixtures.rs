@@ -262,3 +262,8 @@ fn mixtral_moe_matches_transformers() {
 fn qwen3_moe_matches_transformers() {
     check("qwen3-moe");
 }
+
+#[test]
+fn deepseek_v3_mla_matches_transformers() {
+    check("deepseek-v3-mla");
+}

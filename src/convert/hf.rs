@@ -5,7 +5,7 @@
 //! `rope_freqs` computed).
 //!
 //! Supported: Llama (incl. Llama 3 RoPE scaling), Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
-//! Gemma 3 (text) and Phi-3. Invariants: every tensor of the checkpoint is either converted,
+//! Gemma 3 (text), Phi-3 and DeepSeek-V3 (see [`super::deepseek`]). Invariants: every tensor of the checkpoint is either converted,
 //! deliberately skipped (rotary caches, Gemma's redundant `lm_head`) or reported as an error;
 //! every required tensor is present with the shape `config.json` implies, before any data is
 //! read; output names are unique.
@@ -33,10 +33,12 @@ enum Family {
     Qwen3Moe,
     Gemma3,
     Phi3,
+    /// DeepSeek-V3: MLA attention, shared + routed experts (llama.cpp's `deepseek2`).
+    Deepseek2,
 }
 
 /// Hugging Face `architectures` names this converter accepts.
-const ARCHITECTURES: [(&str, Family); 8] = [
+const ARCHITECTURES: [(&str, Family); 9] = [
     ("LlamaForCausalLM", Family::Llama),
     ("MistralForCausalLM", Family::Mistral),
     ("MixtralForCausalLM", Family::Mixtral),
@@ -45,6 +47,7 @@ const ARCHITECTURES: [(&str, Family); 8] = [
     ("Qwen3MoeForCausalLM", Family::Qwen3Moe),
     ("Gemma3ForCausalLM", Family::Gemma3),
     ("Phi3ForCausalLM", Family::Phi3),
+    ("DeepseekV3ForCausalLM", Family::Deepseek2),
 ];
 
 /// The supported Hugging Face architectures, for messages.
@@ -61,6 +64,7 @@ impl Family {
             Family::Qwen3Moe => "qwen3moe",
             Family::Gemma3 => "gemma3",
             Family::Phi3 => "phi3",
+            Family::Deepseek2 => "deepseek2",
         }
     }
 
@@ -75,7 +79,7 @@ impl Family {
 }
 
 /// `config.json`, with `text_config` merged into the root as the converter does.
-struct Config {
+pub(super) struct Config {
     root: Map<String, Json>,
 }
 
@@ -96,19 +100,19 @@ impl Config {
     }
 
     /// The value of `k` unless absent or null.
-    fn get(&self, k: &str) -> Option<&Json> {
+    pub(super) fn get(&self, k: &str) -> Option<&Json> {
         self.root.get(k).filter(|v| !v.is_null())
     }
 
-    fn u64(&self, keys: &[&str]) -> Option<u64> {
+    pub(super) fn u64(&self, keys: &[&str]) -> Option<u64> {
         keys.iter().find_map(|k| self.get(k)).and_then(Json::as_u64)
     }
 
-    fn f64(&self, keys: &[&str]) -> Option<f64> {
+    pub(super) fn f64(&self, keys: &[&str]) -> Option<f64> {
         keys.iter().find_map(|k| self.get(k)).and_then(Json::as_f64)
     }
 
-    fn req_u64(&self, keys: &[&str]) -> Result<u64> {
+    pub(super) fn req_u64(&self, keys: &[&str]) -> Result<u64> {
         self.u64(keys).with_context(|| {
             format!(
                 "config.json has no integer {}",
@@ -123,17 +127,17 @@ impl Config {
 
 /// The dimensions the tensor shapes are checked against.
 #[derive(Clone, Debug)]
-struct Hparams {
-    n_layer: u64,
-    n_embd: u64,
-    n_ff: u64,
-    n_head: u64,
-    n_head_kv: u64,
-    head_dim: u64,
-    n_vocab: u64,
-    n_expert: u64,
-    moe_ff: u64,
-    tied: bool,
+pub(super) struct Hparams {
+    pub n_layer: u64,
+    pub n_embd: u64,
+    pub n_ff: u64,
+    pub n_head: u64,
+    pub n_head_kv: u64,
+    pub head_dim: u64,
+    pub n_vocab: u64,
+    pub n_expert: u64,
+    pub moe_ff: u64,
+    pub tied: bool,
 }
 
 fn hparams(family: Family, cfg: &Config) -> Result<Hparams> {
@@ -150,15 +154,18 @@ fn hparams(family: Family, cfg: &Config) -> Result<Hparams> {
     let head_dim = cfg.u64(&["head_dim"]).unwrap_or(n_embd / n_head);
     let n_vocab = cfg.req_u64(&["vocab_size"])?;
     let n_expert = match family {
-        Family::Mixtral | Family::Qwen3Moe => {
+        Family::Mixtral | Family::Qwen3Moe | Family::Deepseek2 => {
             cfg.req_u64(&["num_local_experts", "num_experts", "n_routed_experts"])?
         }
         _ => 0,
     };
     let moe_ff = match family {
-        Family::Qwen3Moe => cfg.req_u64(&["moe_intermediate_size"])?,
+        Family::Qwen3Moe | Family::Deepseek2 => cfg.req_u64(&["moe_intermediate_size"])?,
         _ => n_ff,
     };
+    if family == Family::Deepseek2 {
+        super::deepseek::Mla::read(cfg)?; // fail early on missing MLA dimensions
+    }
     let tied = cfg
         .get("tie_word_embeddings")
         .and_then(Json::as_bool)
@@ -504,6 +511,11 @@ fn arch_metadata(
                 ),
             );
         }
+        Family::Deepseek2 => {
+            for item in super::deepseek::metadata(cfg, hp)? {
+                set(&mut kv, item);
+            }
+        }
         Family::Qwen2 | Family::Qwen3 | Family::Phi3 => {}
     }
     Ok(kv)
@@ -571,6 +583,7 @@ fn layer_names(family: Family) -> Vec<(&'static str, &'static str)> {
             ("post_attention_layernorm", "ffn_norm"),
             ("mlp.gate", "ffn_gate_inp"),
         ]),
+        Family::Deepseek2 => m.extend(super::deepseek::LAYER_NAMES),
         _ => m.push(("post_attention_layernorm", "ffn_norm")),
     }
     m
@@ -587,7 +600,7 @@ fn expert_of(family: Family, layer_rest: &str) -> Option<(usize, &'static str)> 
                 ("w3", "ffn_up_exps"),
             ],
         ),
-        Family::Qwen3Moe => (
+        Family::Qwen3Moe | Family::Deepseek2 => (
             "mlp.experts.",
             &[
                 ("gate_proj", "ffn_gate_exps"),
@@ -647,10 +660,20 @@ fn expected(
         add("output.weight".into(), vec![e, vocab_rows], !hp.tied);
     }
     add("rope_freqs.weight".into(), vec![hd / 2], false);
+    let mla = match family {
+        Family::Deepseek2 => super::deepseek::Mla::read(cfg).ok(),
+        _ => None,
+    };
     for l in 0..hp.n_layer {
         let b = |s: &str| format!("blk.{l}.{s}");
         add(b("attn_norm.weight"), vec![e], true);
         add(b("ffn_norm.weight"), vec![e], true);
+        if let Some(m) = &mla {
+            for (name, dims, required) in super::deepseek::layer_tensors(m, hp, l) {
+                add(b(name), dims, required);
+            }
+            continue;
+        }
         add(b("attn_output.weight"), vec![q, e], true);
         add(b("attn_output.bias"), vec![e], false);
         if family == Family::Phi3 {
@@ -777,17 +800,22 @@ pub fn plan<'a>(dir: &Path, ckpt: &'a Checkpoint, target: Target) -> Result<HfPl
                     slot[e] = Some(t);
                     continue;
                 }
-                let (stem, suffix) = rest
-                    .strip_suffix(".weight")
-                    .map(|s| (s, "weight"))
-                    .or_else(|| rest.strip_suffix(".bias").map(|s| (s, "bias")))
-                    .ok_or_else(unknown)?;
-                let base = layer_map
-                    .iter()
-                    .find(|(hf, _)| *hf == stem)
-                    .map(|&(_, g)| g)
-                    .ok_or_else(unknown)?;
-                format!("blk.{layer}.{base}.{suffix}")
+                if family == Family::Deepseek2 && rest == "mlp.gate.e_score_correction_bias" {
+                    // DeepSeek-V3's expert-selection bias (llama.cpp's `exp_probs_b`).
+                    format!("blk.{layer}.exp_probs_b.bias")
+                } else {
+                    let (stem, suffix) = rest
+                        .strip_suffix(".weight")
+                        .map(|s| (s, "weight"))
+                        .or_else(|| rest.strip_suffix(".bias").map(|s| (s, "bias")))
+                        .ok_or_else(unknown)?;
+                    let base = layer_map
+                        .iter()
+                        .find(|(hf, _)| *hf == stem)
+                        .map(|&(_, g)| g)
+                        .ok_or_else(unknown)?;
+                    format!("blk.{layer}.{base}.{suffix}")
+                }
             }
         };
         let permute = if family.permutes_qk() {

@@ -2,8 +2,8 @@
 //! GGUF, and GGUF to GGUF of another type.
 //!
 //! Owns: reading checkpoints ([`safetensors`]), mapping Hugging Face architectures, metadata and
-//! tokenizers to llama.cpp's names ([`hf`], [`vocab`]), llama.cpp's per-tensor type policy
-//! ([`policy`], [`target`]) and the parallel convert-and-write loop ([`pipeline`]).
+//! tokenizers to llama.cpp's names ([`hf`], [`deepseek`], [`vocab`]), llama.cpp's per-tensor type
+//! policy ([`policy`], [`target`]) and the parallel convert-and-write loop ([`pipeline`]).
 //!
 //! Invariants: output files carry the keys and tensor names llama.cpp's `convert_hf_to_gguf.py`
 //! and `llama-quantize` write, so llama.cpp and gguf-py read them; the per-tensor types are the
@@ -12,6 +12,7 @@
 //! Known deviations from llama.cpp are documented where they happen (pre-tokenizer detection and
 //! SentencePiece scores in [`vocab`], Mistral's sliding window in [`hf`]).
 
+pub mod deepseek;
 pub mod hf;
 pub mod pipeline;
 pub mod policy;

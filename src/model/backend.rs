@@ -31,6 +31,19 @@ pub struct Rope {
     pub head_dim: usize,
 }
 
+/// A strided copy between head layouts (`Backend::copy_heads`): for each row and each head `h` of
+/// the destination (`dst.cols / dst_hd` heads), `width` values from `src_off` within source head
+/// `h % (src.cols / src_hd)` go to `dst_off` within destination head `h` (a single source head is
+/// thus shared by every destination head).
+#[derive(Clone, Copy, Debug)]
+pub struct HeadCopy {
+    pub src_hd: usize,
+    pub src_off: usize,
+    pub dst_hd: usize,
+    pub dst_off: usize,
+    pub width: usize,
+}
+
 /// What the KV cache stores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvType {
@@ -145,6 +158,8 @@ pub trait Backend {
     /// x[rows[i]] += scales[i] * y[i] for every row i of y (mixture-of-experts: an expert's
     /// outputs added to the tokens routed to it, times their routing weights).
     fn add_rows_scaled(&self, x: &mut Self::Act, y: &Self::Act, rows: &[usize], scales: &[f32]);
+    /// Copies parts of heads between activations with the same row count (see [`HeadCopy`]).
+    fn copy_heads(&self, src: &Self::Act, dst: &mut Self::Act, c: HeadCopy);
     /// A new activation holding the given rows of x.
     fn gather_rows(&self, x: &Self::Act, rows: &[usize]) -> Self::Act;
     /// Copy an activation back to host memory, row-major.

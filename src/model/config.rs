@@ -20,10 +20,13 @@ pub enum Arch {
     Gemma3,
     /// Fused QKV and gate/up matrices (`attn_qkv`, `ffn_up` twice `n_ff` wide).
     Phi3,
+    /// DeepSeek-V2/V3: multi-head latent attention, leading dense layers, then shared + routed
+    /// experts.
+    Deepseek2,
 }
 
 /// Architectures `Arch::from_name` accepts, for messages.
-const ARCH_NAMES: &str = "llama, mistral, qwen2, qwen3, qwen3moe, gemma3, phi3";
+const ARCH_NAMES: &str = "llama, mistral, qwen2, qwen3, qwen3moe, gemma3, phi3, deepseek2";
 
 impl Arch {
     pub fn from_name(name: &str) -> Result<Arch> {
@@ -34,6 +37,7 @@ impl Arch {
             "qwen3moe" => Arch::Qwen3Moe,
             "gemma3" => Arch::Gemma3,
             "phi3" => Arch::Phi3,
+            "deepseek2" => Arch::Deepseek2,
             other => bail!("unsupported architecture `{other}` (supported: {ARCH_NAMES})"),
         })
     }
@@ -58,14 +62,29 @@ pub enum Activation {
 }
 
 /// Mixture-of-experts feed-forward: `n_expert` experts of width `n_ff`, `n_used` per token.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MoeConfig {
     pub n_expert: usize,
     pub n_used: usize,
     /// Width of one expert's feed-forward.
     pub n_ff: usize,
-    /// Renormalize the chosen experts' softmax weights to sum to 1.
+    /// Renormalize the chosen experts' weights to sum to 1.
     pub norm_weights: bool,
+    /// How router scores become weights.
+    pub gating: Gating,
+    /// Multiplier of the routed experts' weights (DeepSeek's `routed_scaling_factor`).
+    pub weights_scale: f32,
+    /// Shared experts run on every token (their layers hold `ffn_*_shexp`, `n_shared * n_ff`
+    /// wide).
+    pub n_shared: usize,
+}
+
+/// Router score → expert weight (llama.cpp's `expert_gating_func`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    Softmax,
+    /// Independent sigmoids (DeepSeek-V3); a per-expert bias may steer the choice only.
+    Sigmoid,
 }
 
 /// Per-layer attention variation.
@@ -98,6 +117,9 @@ pub struct ModelConfig {
     pub scale_q_first: bool,
     /// Mixture-of-experts layers' shape (their layers hold `ffn_gate_inp`), if any.
     pub moe: Option<MoeConfig>,
+    /// Multi-head latent attention (DeepSeek); `head_dim` is then the q/k head width and V is
+    /// stored padded to it.
+    pub mla: Option<crate::model::mla::MlaConfig>,
     /// KV cache precision. `F32` is chosen when every weight matrix is F32: such a model is
     /// computed in f32 end to end (also GELU without ggml's f16 table), to match the reference
     /// implementation rather than llama.cpp's f16 rounding.
@@ -132,7 +154,7 @@ impl ModelConfig {
             .map(|v| v as usize)
             .unwrap_or(n_embd.checked_div(n_head).unwrap_or(0));
         if let Some(vl) = g.get_u64(&k("attention.value_length")) {
-            if vl as usize != head_dim {
+            if vl as usize != head_dim && arch != Arch::Deepseek2 {
                 bail!("value_length {vl} != key_length {head_dim} is not supported");
             }
         }
@@ -154,6 +176,10 @@ impl ModelConfig {
             .get_f32(&k("attention.layer_norm_rms_epsilon"))
             .unwrap_or(1e-5);
         let rope_base = g.get_f32(&k("rope.freq_base")).unwrap_or(10000.0);
+        match g.get(&k("rope.scaling.type")).and_then(Value::as_str) {
+            None | Some("none") => {}
+            Some(t) => bail!("RoPE scaling type `{t}` is not supported"),
+        }
         // A window of 0 (Phi-3 writes one) means none.
         let window = g
             .get_u64(&k("attention.sliding_window"))
@@ -183,13 +209,20 @@ impl ModelConfig {
                     norm_weights: g
                         .get(&k("expert_weights_norm"))
                         .and_then(Value::as_bool)
-                        .unwrap_or(true),
+                        .unwrap_or(arch != Arch::Deepseek2),
+                    gating: match g.get_u64(&k("expert_gating_func")) {
+                        None | Some(1) => Gating::Softmax,
+                        Some(2) => Gating::Sigmoid,
+                        Some(f) => bail!("expert_gating_func {f} is not supported"),
+                    },
+                    weights_scale: g.get_f32(&k("expert_weights_scale")).unwrap_or(1.0),
+                    n_shared: g.get_u64(&k("expert_shared_count")).unwrap_or(0) as usize,
                 })
             }
         };
 
         let (rope_style, activation, embd_scale, scale_q_first) = match arch {
-            Arch::Llama => (RopeStyle::Normal, Activation::Silu, 1.0, false),
+            Arch::Llama | Arch::Deepseek2 => (RopeStyle::Normal, Activation::Silu, 1.0, false),
             Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Phi3 => {
                 (RopeStyle::Neox, Activation::Silu, 1.0, false)
             }
@@ -235,6 +268,7 @@ impl ModelConfig {
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             scale_q_first,
             moe,
+            mla: crate::model::mla::MlaConfig::from_gguf(g, arch_name, arch, head_dim)?,
             kv_type,
             layers,
         })

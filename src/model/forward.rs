@@ -11,8 +11,8 @@ use anyhow::{bail, Result};
 
 use crate::model::backend::{AttnQuery, AttnShape, Backend, Rope};
 use crate::model::config::ModelConfig;
-use crate::model::moe;
-use crate::model::weights::{Ffn, Weights};
+use crate::model::weights::{Attn, Ffn, Weights};
+use crate::model::{mla, moe};
 
 /// One token to run through the model.
 #[derive(Clone, Copy, Debug)]
@@ -80,22 +80,30 @@ impl<B: Backend> Model<B> {
         for (il, (lw, lc)) in w.layers.iter().zip(&cfg.layers).enumerate() {
             // attention block
             be.rms_norm(&x, &lw.attn_norm, cfg.norm_eps, &mut h);
-            be.matmul(&lw.wq, &h, lw.bq.as_ref(), &mut q);
-            be.matmul(&lw.wk, &h, lw.bk.as_ref(), &mut k);
-            be.matmul(&lw.wv, &h, lw.bv.as_ref(), &mut v);
-            if let Some(qn) = &lw.q_norm {
-                be.rms_norm_inplace(&mut q, qn, cfg.norm_eps);
+            match (&lw.attn, &cfg.mla) {
+                (Attn::Mha(a), _) => {
+                    be.matmul(&a.wq, &h, a.bq.as_ref(), &mut q);
+                    be.matmul(&a.wk, &h, a.bk.as_ref(), &mut k);
+                    be.matmul(&a.wv, &h, a.bv.as_ref(), &mut v);
+                    if let Some(qn) = &a.q_norm {
+                        be.rms_norm_inplace(&mut q, qn, cfg.norm_eps);
+                    }
+                    if let Some(kn) = &a.k_norm {
+                        be.rms_norm_inplace(&mut k, kn, cfg.norm_eps);
+                    }
+                    let rope = Rope {
+                        style: cfg.rope_style,
+                        base: lc.rope_base,
+                        head_dim: cfg.head_dim,
+                    };
+                    be.rope(&mut q, &positions, rope, w.rope_freqs.as_ref());
+                    be.rope(&mut k, &positions, rope, w.rope_freqs.as_ref());
+                }
+                (Attn::Mla(a), Some(m)) => {
+                    (q, k, v) = mla::qkv(be, cfg, m, a, &h, &positions, lc.rope_base);
+                }
+                (Attn::Mla(_), None) => bail!("MLA weights without MLA dimensions"),
             }
-            if let Some(kn) = &lw.k_norm {
-                be.rms_norm_inplace(&mut k, kn, cfg.norm_eps);
-            }
-            let rope = Rope {
-                style: cfg.rope_style,
-                base: lc.rope_base,
-                head_dim: cfg.head_dim,
-            };
-            be.rope(&mut q, &positions, rope, w.rope_freqs.as_ref());
-            be.rope(&mut k, &positions, rope, w.rope_freqs.as_ref());
             if cfg.scale_q_first {
                 be.scale(&mut q, cfg.attn_scale);
             }
@@ -122,7 +130,10 @@ impl<B: Backend> Model<B> {
                 },
             };
             be.attention(&q, kv, il, &queries, shape, &mut attn);
-            be.matmul(&lw.wo, &attn, None, &mut o);
+            match &cfg.mla {
+                Some(m) => be.matmul(&lw.wo, &mla::values(be, cfg, m, &attn), None, &mut o),
+                None => be.matmul(&lw.wo, &attn, None, &mut o),
+            }
             if il + 1 == cfg.n_layer && want.len() < n {
                 // Only the rows that want logits go on (llama.cpp's `inp_out_ids`).
                 if want.is_empty() {
@@ -148,8 +159,14 @@ impl<B: Backend> Model<B> {
                     be.glu(&mut gate, &up, cfg.activation);
                     be.matmul(&m.down, &gate, None, &mut o);
                 }
-                Ffn::Moe { router, experts } => {
-                    o = moe::ffn(be, cfg, router, experts, &h)?;
+                Ffn::Moe {
+                    router,
+                    select_bias,
+                    experts,
+                    shared,
+                } => {
+                    let bias = select_bias.as_deref();
+                    o = moe::ffn(be, cfg, router, bias, experts, shared.as_ref(), &h)?;
                 }
             }
             if let Some(pn) = &lw.post_ffn_norm {

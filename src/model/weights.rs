@@ -3,6 +3,7 @@
 //! matrix has the shape the forward loop assumes (rows = outputs, cols = inputs). Fused and stacked
 //! tensors are handed over as row ranges (zero-copy views): Phi-3's `attn_qkv` as Q, K and V, its
 //! `ffn_up` as gate and up, and each expert of a 3-D `ffn_*_exps` tensor as its own matrix.
+//! DeepSeek's latent attention weights are found by `mla`.
 
 use std::sync::Arc;
 
@@ -11,22 +12,36 @@ use anyhow::{bail, Context, Result};
 use crate::format::{GgmlType, Gguf};
 use crate::model::backend::{Backend, WeightSource};
 use crate::model::config::{Arch, ModelConfig};
+use crate::model::mla::{self, MlaWeights};
 
 pub struct LayerWeights<B: Backend> {
     pub attn_norm: B::Vector, // (n_embd)
-    pub wq: B::Weight,        // (n_head * head_dim, n_embd)
-    pub wk: B::Weight,        // (n_head_kv * head_dim, n_embd)
-    pub wv: B::Weight,        // (n_head_kv * head_dim, n_embd)
+    pub attn: Attn<B>,
+    pub wo: B::Weight, // (n_embd, n_head * value head width)
+    pub post_attn_norm: Option<B::Vector>,
+    pub ffn_norm: B::Vector, // (n_embd)
+    pub ffn: Ffn<B>,
+    pub post_ffn_norm: Option<B::Vector>,
+}
+
+/// How a layer's queries, keys and values are made.
+pub enum Attn<B: Backend> {
+    Mha(Qkv<B>),
+    /// Multi-head latent attention (DeepSeek).
+    Mla(MlaWeights<B>),
+}
+
+/// Plain projections (Phi-3's fused `attn_qkv` as three row views), with optional biases and
+/// per-head RMS norms of q and k (Qwen3, Gemma 3).
+pub struct Qkv<B: Backend> {
+    pub wq: B::Weight, // (n_head * head_dim, n_embd)
+    pub wk: B::Weight, // (n_head_kv * head_dim, n_embd)
+    pub wv: B::Weight, // (n_head_kv * head_dim, n_embd)
     pub bq: Option<B::Vector>,
     pub bk: Option<B::Vector>,
     pub bv: Option<B::Vector>,
     pub q_norm: Option<B::Vector>, // (head_dim)
     pub k_norm: Option<B::Vector>, // (head_dim)
-    pub wo: B::Weight,             // (n_embd, n_head * head_dim)
-    pub post_attn_norm: Option<B::Vector>,
-    pub ffn_norm: B::Vector, // (n_embd)
-    pub ffn: Ffn<B>,
-    pub post_ffn_norm: Option<B::Vector>,
 }
 
 /// A gated feed-forward: down(act(gate · x) * (up · x)).
@@ -38,10 +53,14 @@ pub struct Mlp<B: Backend> {
 
 pub enum Ffn<B: Backend> {
     Dense(Mlp<B>),
-    /// Mixture of experts: `router` scores the experts for each token.
+    /// Mixture of experts: `router` scores the experts for each token; `select_bias` (host
+    /// values, DeepSeek-V3's `exp_probs_b`) is added to the scores for choosing only; `shared`
+    /// runs on every token.
     Moe {
         router: B::Weight, // (n_expert, n_embd)
+        select_bias: Option<Vec<f32>>,
         experts: Vec<Mlp<B>>,
+        shared: Option<Mlp<B>>,
     },
 }
 
@@ -55,18 +74,23 @@ pub struct Weights<B: Backend> {
     pub layers: Vec<LayerWeights<B>>,
 }
 
-struct Loader<'a, B: Backend> {
+pub(crate) struct Loader<'a, B: Backend> {
     g: &'a Arc<Gguf>,
     backend: &'a B,
 }
 
 impl<B: Backend> Loader<'_, B> {
-    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Weight> {
+    pub(crate) fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Weight> {
         self.opt_matrix(name, rows, cols)?
             .with_context(|| format!("tensor `{name}` is missing from the model file"))
     }
 
-    fn opt_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Option<B::Weight>> {
+    pub(crate) fn opt_matrix(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<B::Weight>> {
         self.view(name, &[cols, rows], 0, rows)
     }
 
@@ -136,12 +160,20 @@ impl<B: Backend> Loader<'_, B> {
             .with_context(|| format!("tensor `{name}` is missing from the model file"))
     }
 
-    fn vector(&self, name: &str, len: usize) -> Result<B::Vector> {
+    pub(crate) fn vector(&self, name: &str, len: usize) -> Result<B::Vector> {
         self.opt_vector(name, len)?
             .with_context(|| format!("tensor `{name}` is missing from the model file"))
     }
 
-    fn opt_vector(&self, name: &str, len: usize) -> Result<Option<B::Vector>> {
+    pub(crate) fn opt_vector(&self, name: &str, len: usize) -> Result<Option<B::Vector>> {
+        match self.host_vector(name, len)? {
+            Some(data) => self.backend.load_vector(&data).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// A vector's values in host memory (None if absent).
+    fn host_vector(&self, name: &str, len: usize) -> Result<Option<Vec<f32>>> {
         let Some(t) = self.g.tensor(name) else {
             return Ok(None);
         };
@@ -154,44 +186,28 @@ impl<B: Backend> Loader<'_, B> {
         let mut data = vec![0f32; len];
         crate::quant::dequantize_row(t.ty, self.g.tensor_data(t), &mut data)
             .with_context(|| format!("reading tensor `{name}` ({})", t.ty.name()))?;
-        self.backend.load_vector(&data).map(Some)
+        Ok(Some(data))
     }
 }
 
 impl<B: Backend> Weights<B> {
     pub fn load(g: &Arc<Gguf>, cfg: &ModelConfig, backend: &B) -> Result<Weights<B>> {
         let l = Loader { g, backend };
-        let (d, q, kv) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim());
+        let (d, q) = (cfg.n_embd, cfg.q_dim());
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
             let gemma = cfg.arch == Arch::Gemma3;
-            let (wq, wk, wv) = if cfg.arch == Arch::Phi3 {
-                let qkv = n("attn_qkv.weight");
-                let dims = [d, q + 2 * kv];
-                (
-                    l.part(&qkv, &dims, 0, q)?,
-                    l.part(&qkv, &dims, q, kv)?,
-                    l.part(&qkv, &dims, q + kv, kv)?,
-                )
-            } else {
-                (
-                    l.matrix(&n("attn_q.weight"), q, d)?,
-                    l.matrix(&n("attn_k.weight"), kv, d)?,
-                    l.matrix(&n("attn_v.weight"), kv, d)?,
-                )
-            };
             let lw = LayerWeights {
                 attn_norm: l.vector(&n("attn_norm.weight"), d)?,
-                wq,
-                wk,
-                wv,
-                bq: l.opt_vector(&n("attn_q.bias"), q)?,
-                bk: l.opt_vector(&n("attn_k.bias"), kv)?,
-                bv: l.opt_vector(&n("attn_v.bias"), kv)?,
-                q_norm: l.opt_vector(&n("attn_q_norm.weight"), cfg.head_dim)?,
-                k_norm: l.opt_vector(&n("attn_k_norm.weight"), cfg.head_dim)?,
-                wo: l.matrix(&n("attn_output.weight"), d, q)?,
+                attn: match &cfg.mla {
+                    Some(m) => Attn::Mla(mla::load(&l, cfg, m, i)?),
+                    None => Attn::Mha(l.qkv(cfg, i)?),
+                },
+                wo: match &cfg.mla {
+                    Some(m) => l.matrix(&n("attn_output.weight"), d, cfg.n_head * m.v_dim)?,
+                    None => l.matrix(&n("attn_output.weight"), d, q)?,
+                },
                 post_attn_norm: if gemma {
                     Some(l.vector(&n("post_attention_norm.weight"), d)?)
                 } else {
@@ -220,6 +236,38 @@ impl<B: Backend> Weights<B> {
 }
 
 impl<B: Backend> Loader<'_, B> {
+    /// Layer `i`'s q, k and v projections.
+    fn qkv(&self, cfg: &ModelConfig, i: usize) -> Result<Qkv<B>> {
+        let l = self;
+        let n = |s: &str| format!("blk.{i}.{s}");
+        let (d, q, kv) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim());
+        let (wq, wk, wv) = if cfg.arch == Arch::Phi3 {
+            let qkv = n("attn_qkv.weight");
+            let dims = [d, q + 2 * kv];
+            (
+                l.part(&qkv, &dims, 0, q)?,
+                l.part(&qkv, &dims, q, kv)?,
+                l.part(&qkv, &dims, q + kv, kv)?,
+            )
+        } else {
+            (
+                l.matrix(&n("attn_q.weight"), q, d)?,
+                l.matrix(&n("attn_k.weight"), kv, d)?,
+                l.matrix(&n("attn_v.weight"), kv, d)?,
+            )
+        };
+        Ok(Qkv {
+            wq,
+            wk,
+            wv,
+            bq: l.opt_vector(&n("attn_q.bias"), q)?,
+            bk: l.opt_vector(&n("attn_k.bias"), kv)?,
+            bv: l.opt_vector(&n("attn_v.bias"), kv)?,
+            q_norm: l.opt_vector(&n("attn_q_norm.weight"), cfg.head_dim)?,
+            k_norm: l.opt_vector(&n("attn_k_norm.weight"), cfg.head_dim)?,
+        })
+    }
+
     /// Layer `i`'s feed-forward: experts when the layer has a router (`ffn_gate_inp`), else dense.
     fn ffn(&self, cfg: &ModelConfig, i: usize) -> Result<Ffn<B>> {
         let n = |s: &str| format!("blk.{i}.{s}");
@@ -241,7 +289,20 @@ impl<B: Backend> Loader<'_, B> {
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
-                return Ok(Ffn::Moe { router, experts });
+                let shared = match moe.n_shared * eff {
+                    0 => None,
+                    sff => Some(Mlp {
+                        gate: self.matrix(&n("ffn_gate_shexp.weight"), sff, d)?,
+                        up: self.matrix(&n("ffn_up_shexp.weight"), sff, d)?,
+                        down: self.matrix(&n("ffn_down_shexp.weight"), d, sff)?,
+                    }),
+                };
+                return Ok(Ffn::Moe {
+                    router,
+                    select_bias: self.host_vector(&n("exp_probs_b.bias"), ne)?,
+                    experts,
+                    shared,
+                });
             }
         }
         if cfg.arch == Arch::Phi3 {

@@ -17,7 +17,7 @@ use crate::kernels::cpu::matmul;
 use crate::kernels::cpu::ops;
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::q4k_x8;
-use crate::model::backend::{AttnQuery, AttnShape, Backend, KvType, Rope, WeightSource};
+use crate::model::backend::{AttnQuery, AttnShape, Backend, HeadCopy, KvType, Rope, WeightSource};
 use crate::model::config::Activation;
 
 /// A weight matrix viewed in place in the mapped file.
@@ -379,6 +379,10 @@ impl Backend for CpuBackend {
         }
         let invariant = self.row_invariant.load(Ordering::Relaxed);
         attention::attention(&self.pool, q, kv, layer, queries, shape, out, invariant);
+    }
+
+    fn copy_heads(&self, src: &CpuAct, dst: &mut CpuAct, c: HeadCopy) {
+        ops::copy_heads(&src.data, src.cols, &mut dst.data, dst.cols, c);
     }
 
     fn add_rows_scaled(&self, x: &mut CpuAct, y: &CpuAct, rows: &[usize], scales: &[f32]) {

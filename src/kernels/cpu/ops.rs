@@ -297,6 +297,28 @@ fn glu_impl(gate: &mut [f32], up: &[f32], act: Activation) {
     }
 }
 
+/// [`crate::model::backend::HeadCopy`] over row-major `src` (`src_cols` wide) and `dst`
+/// (`dst_cols` wide) with the same row count.
+pub fn copy_heads(
+    src: &[f32],
+    src_cols: usize,
+    dst: &mut [f32],
+    dst_cols: usize,
+    c: crate::model::backend::HeadCopy,
+) {
+    let src_heads = src_cols / c.src_hd;
+    for (s, d) in src
+        .chunks_exact(src_cols)
+        .zip(dst.chunks_exact_mut(dst_cols))
+    {
+        for h in 0..dst_cols / c.dst_hd {
+            let from = (h % src_heads) * c.src_hd + c.src_off;
+            let to = h * c.dst_hd + c.dst_off;
+            d[to..to + c.width].copy_from_slice(&s[from..from + c.width]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
