@@ -197,6 +197,11 @@ impl ModelConfig {
             0 => None,
             n_expert => {
                 let n_used = req_u64(g, &k("expert_used_count"))?;
+                let groups = g.get_u64(&k("expert_group_count")).unwrap_or(1);
+                let used_groups = g.get_u64(&k("expert_group_used_count")).unwrap_or(groups);
+                if groups > 1 && used_groups < groups {
+                    bail!("group-limited expert routing ({used_groups} of {groups} groups) is not supported");
+                }
                 if n_used == 0 || n_used > n_expert {
                     bail!("expert_used_count {n_used} is not in 1..={n_expert}");
                 }
