@@ -183,7 +183,7 @@ impl Backend for CpuBackend {
                 src.name
             );
         };
-        Ok(CpuWeight {
+        let w = CpuWeight {
             file: Arc::clone(src.file),
             index: src.index,
             ty: src.ty,
