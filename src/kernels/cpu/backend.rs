@@ -303,15 +303,22 @@ impl Backend for CpuBackend {
     fn rope(&self, x: &mut CpuAct, positions: &[u32], rope: Rope, ff: Option<&Vec<f32>>) {
         let cols = x.cols;
         self.par_chunks(&mut x.data, cols, |i, row| {
-            let mut cache = vec![0f32; rope.head_dim];
+            // The cos/sin table on the stack for the usual head sizes (this runs per row).
+            let (mut buf, mut heap) = ([0f32; 512], Vec::new());
+            let cache: &mut [f32] = if rope.head_dim <= buf.len() {
+                &mut buf[..rope.head_dim]
+            } else {
+                heap.resize(rope.head_dim, 0.0);
+                &mut heap
+            };
             match ff {
                 Some(ff) => {
-                    ops::rope_cache_scaled(positions[i], rope.base, rope.head_dim, ff, &mut cache)
+                    ops::rope_cache_scaled(positions[i], rope.base, rope.head_dim, ff, cache)
                 }
-                None => ops::rope_cache(positions[i], rope.base, rope.head_dim, &mut cache),
+                None => ops::rope_cache(positions[i], rope.base, rope.head_dim, cache),
             }
             for head in row.chunks_exact_mut(rope.head_dim) {
-                ops::rope_head(head, &cache, rope.style);
+                ops::rope_head(head, cache, rope.style);
             }
         });
     }

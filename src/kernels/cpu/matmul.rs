@@ -5,10 +5,11 @@
 //! product of one stored weight row with one activation row, its float accumulation following the
 //! kernel llama.cpp picks — which depends on the number `n` of activation rows in the call:
 //!
-//! - Q4_K with a multiple of 8 rows (llama.cpp repacks those, "CPU_REPACK"): rows in groups of four
-//!   through `ggml_gemm_q4_K_8x8_q8_K` (`Flavor::Q4kGemm`), the last `n % 4` (all of them when
-//!   `n < 4`) through `ggml_gemv_q4_K_8x8_q8_K` (the `simd` Q4_K kernel);
-//! - Q6_K with `n >= 8`: ggml-cpu's tiled k-quant matmul (`Flavor::Q6kTiled`); with `n < 8`:
+//! - Q4_K with a multiple of 8 rows (llama.cpp repacks those, "CPU_REPACK"): the x8-packed
+//!   matrices of `q4k_x8`, rows in groups of four through `ggml_gemm_q4_K_8x8_q8_K`'s arithmetic, the
+//!   last `n % 4` (all of them when `n < 4`) through `ggml_gemv_q4_K_8x8_q8_K`'s;
+//! - Q6_K with `n >= 8`: ggml-cpu's tiled k-quant matmul (`q6k_x8` for whole groups of eight
+//!   weight rows, [`q6k_tiled`] for the rest); with `n < 8`:
 //!   `ggml_vec_dot_q6_K_q8_K` (`simd`);
 //! - Q5_0 / Q8_0: tinyBLAS for `n >= 2`, `ggml_vec_dot_*` for `n == 1`, which agree per element
 //!   (`simd`).
@@ -126,18 +127,9 @@ fn matmul_rows(
     let kern = simd::kernels(w.ty)
         .or_else(|| simd::reference(w.ty))
         .expect("supported weight type has a dot product");
-    // llama.cpp repacks Q4_K matrices whose row count is a multiple of 8 and then multiplies the
-    // activation rows in groups of four with `ggml_gemm_q4_K_8x8_q8_K` (one FMA per pair of
-    // sub-blocks) and the remaining `n % 4` rows with `ggml_gemv_q4_K_8x8_q8_K` (one per block).
     // Non-repacked k-quants (Q6_K here) with 8+ activation rows go through ggml-cpu's tiled
     // matmul (`ggml_compute_forward_mul_mat_tiled`): one exact integer sum per block,
-    // `acc = fma(d_w · isum, d_a, acc)`.
-    let repacked = w.ty == GgmlType::Q4K && rows % 8 == 0;
-    let gemm_rows = if repacked && n > 3 && !invariant {
-        n - n % 4
-    } else {
-        0
-    };
+    // `acc = fma(d_w · isum, d_a, acc)`. (Repacked Q4_K never gets here: see `q4k_x8`.)
     let tiled = w.ty == GgmlType::Q6K && n >= 8 && !invariant;
     let wb = w.bytes();
     let rb = w.row_bytes;
@@ -149,10 +141,8 @@ fn matmul_rows(
             for t0 in (0..n).step_by(TILE) {
                 let m = (n - t0).min(TILE);
                 let acts = &xq[t0 * a_bytes..(t0 + m) * a_bytes];
-                if t0 < gemm_rows {
-                    flavor_tile(Flavor::Q4kGemm, cols, wr, acts, a_bytes, m, &mut res);
-                } else if tiled {
-                    flavor_tile(Flavor::Q6kTiled, cols, wr, acts, a_bytes, m, &mut res);
+                if tiled {
+                    q6k_tiled(cols, wr, acts, a_bytes, m, &mut res);
                 } else {
                     (kern.tile)(cols, wr, acts, a_bytes, m, &mut res);
                 }
@@ -188,98 +178,32 @@ fn decode_rows(
     });
 }
 
-/// Float accumulation orders of llama.cpp kernels that differ from the `simd` dot kernels.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Flavor {
-    /// `ggml_gemm_q4_K_8x8_q8_K` (repacked Q4_K, activation rows in groups of four): per block and
-    /// per pair of sub-blocks `2j, 2j+1` an exact `isum = sc[2j]·dot[2j] + sc[2j+1]·dot[2j+1]` and
-    /// `imin = m[2j]·bsum[2j] + m[2j+1]·bsum[2j+1]`, `acc = fma(isum, d_w·d_a, acc)`,
-    /// `accm = fma(imin, dmin_w·d_a, accm)`; the result is `acc - accm`.
-    Q4kGemm,
-    /// ggml-cpu's tiled k-quant matmul for Q6_K: per block the exact `isum = Σ sc·Σ (q-32)·a`,
-    /// `acc = fma(d_w·isum, d_a, acc)`.
-    Q6kTiled,
-}
-
-/// One weight row times `m` activation rows (`stride` bytes apart) in `flavor`'s arithmetic.
-fn flavor_tile(
-    flavor: Flavor,
-    n: usize,
-    w: &[u8],
-    acts: &[u8],
-    stride: usize,
-    m: usize,
-    out: &mut [f32],
-) {
-    use crate::quant::blocks::{Block, BlockQ4K, BlockQ6K, BlockQ8K};
+/// One Q6_K weight row times `m` activation rows (`stride` bytes apart) in the arithmetic of
+/// ggml-cpu's tiled k-quant matmul: per block the exact `isum = Σ sc·Σ (q-32)·a`,
+/// `acc = fma(d_w·isum, d_a, acc)`.
+fn q6k_tiled(n: usize, w: &[u8], acts: &[u8], stride: usize, m: usize, out: &mut [f32]) {
+    use crate::quant::blocks::{Block, BlockQ6K, BlockQ8K};
     let nb = n / 256;
-    let wbytes = match flavor {
-        Flavor::Q4kGemm => BlockQ4K::BYTES,
-        Flavor::Q6kTiled => BlockQ6K::BYTES,
-    };
-    assert!(n % 256 == 0 && w.len() == nb * wbytes, "weight row length");
+    assert!(
+        n % 256 == 0 && w.len() == nb * BlockQ6K::BYTES,
+        "weight row length"
+    );
     assert!(m == 0 || acts.len() >= (m - 1) * stride + nb * BlockQ8K::BYTES);
     assert!(m <= 4 && out.len() >= m, "at most four rows per call");
-    #[cfg(target_arch = "x86_64")]
-    if simd::current() != simd::Level::Scalar {
-        // SAFETY: a non-scalar level is only selected after AVX2, FMA and F16C were detected;
-        // `w` holds exactly `nb` weight blocks and each of the `m` activation rows `nb` Q8_K
-        // blocks (asserted above), which is all the kernels read; `out` has `m` slots.
-        unsafe {
-            match flavor {
-                Flavor::Q4kGemm => x86::q4k_gemm(nb, w.as_ptr(), acts.as_ptr(), stride, m, out),
-                Flavor::Q6kTiled => {
-                    for (j, o) in out[..m].iter_mut().enumerate() {
-                        *o = x86::q6k_tiled(nb, w.as_ptr(), acts.as_ptr().add(j * stride));
-                    }
-                }
-            }
-        }
-        return;
-    }
     for (j, o) in out[..m].iter_mut().enumerate() {
-        let a = &acts[j * stride..j * stride + nb * BlockQ8K::BYTES];
-        *o = match flavor {
-            Flavor::Q4kGemm => q4k_gemm_scalar(nb, w, a),
-            Flavor::Q6kTiled => q6k_tiled_scalar(nb, w, a),
-        };
-    }
-}
-
-/// [`Flavor::Q4kGemm`] for one activation row, scalar.
-fn q4k_gemm_scalar(nb: usize, w: &[u8], a: &[u8]) -> f32 {
-    use crate::quant::blocks::{get_scale_min_k4, Block, BlockQ4K, BlockQ8K};
-    let (mut acc, mut accm) = (0f32, 0f32);
-    for b in 0..nb {
-        let x = &w[b * BlockQ4K::BYTES..(b + 1) * BlockQ4K::BYTES];
-        let y = &a[b * BlockQ8K::BYTES..(b + 1) * BlockQ8K::BYTES];
-        let d = half::f16::from_le_bytes([x[0], x[1]]).to_f32();
-        let dmin = half::f16::from_le_bytes([x[2], x[3]]).to_f32();
-        let ad = f32::from_le_bytes([y[0], y[1], y[2], y[3]]);
-        let scales: &[u8; 12] = x[4..16].try_into().expect("12 scale bytes");
-        let bsum = |k: usize| i16::from_le_bytes([y[260 + 2 * k], y[261 + 2 * k]]) as i32;
-        let (dd, dm) = (d * ad, dmin * ad);
-        for p in 0..4 {
-            let q = &x[16 + 32 * p..48 + 32 * p];
-            let ya = &y[4 + 64 * p..68 + 64 * p];
-            let (mut s0, mut s1) = (0i32, 0i32);
-            for l in 0..32 {
-                s0 += (q[l] & 0xF) as i32 * ya[l] as i8 as i32;
-                s1 += (q[l] >> 4) as i32 * ya[32 + l] as i8 as i32;
-            }
-            let (sc0, m0) = get_scale_min_k4(2 * p, scales);
-            let (sc1, m1) = get_scale_min_k4(2 * p + 1, scales);
-            let isum = sc0 as i32 * s0 + sc1 as i32 * s1;
-            let imin = m0 as i32 * (bsum(4 * p) + bsum(4 * p + 1))
-                + m1 as i32 * (bsum(4 * p + 2) + bsum(4 * p + 3));
-            acc = (isum as f32).mul_add(dd, acc);
-            accm = (imin as f32).mul_add(dm, accm);
+        #[cfg(target_arch = "x86_64")]
+        if simd::current() != simd::Level::Scalar {
+            // SAFETY: a non-scalar level is only selected after AVX2, FMA and F16C were detected;
+            // `w` holds exactly `nb` weight blocks and activation row j `nb` Q8_K blocks
+            // (asserted above), which is all the kernel reads.
+            *o = unsafe { x86::q6k_tiled(nb, w.as_ptr(), acts.as_ptr().add(j * stride)) };
+            continue;
         }
+        *o = q6k_tiled_scalar(nb, w, &acts[j * stride..j * stride + nb * BlockQ8K::BYTES]);
     }
-    acc - accm
 }
 
-/// [`Flavor::Q6kTiled`] for one activation row, scalar.
+/// [`q6k_tiled`] for one activation row, scalar (the AVX2 kernel's twin).
 pub(crate) fn q6k_tiled_scalar(nb: usize, w: &[u8], a: &[u8]) -> f32 {
     use crate::quant::blocks::{Block, BlockQ6K, BlockQ8K};
     let mut acc = 0f32;
@@ -310,7 +234,7 @@ pub(crate) fn q6k_tiled_scalar(nb: usize, w: &[u8], a: &[u8]) -> f32 {
     acc
 }
 
-/// AVX2 versions of the flavors (integer parts as ggml's AVX2 kernels, exact).
+/// The AVX2 tiled Q6_K kernel (integer parts as ggml's AVX2 kernels, exact).
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -337,83 +261,7 @@ mod x86 {
         _mm_cvtsi128_si32(s)
     }
 
-    /// The 8 scales and 8 mins of a Q4_K block's packed bytes at `p`.
-    #[inline]
-    unsafe fn scales_mins(p: *const u8) -> ([u8; 8], [u8; 8]) {
-        let mut sc = [0u8; 8];
-        let mut mn = [0u8; 8];
-        let q: &[u8; 12] = &*p.cast::<[u8; 12]>();
-        for j in 0..8 {
-            (sc[j], mn[j]) = crate::quant::blocks::get_scale_min_k4(j, q);
-        }
-        (sc, mn)
-    }
-
-    /// [`super::Flavor::Q4kGemm`] for `m` (1..=4) activation rows `stride` bytes apart.
-    ///
-    /// # Safety
-    /// AVX2, FMA and F16C are available; `w` points at `nb` Q4_K blocks and `a + r * stride`
-    /// (r < m) at `nb` Q8_K blocks; `out` has `m` slots.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn q4k_gemm(
-        nb: usize,
-        w: *const u8,
-        a: *const u8,
-        stride: usize,
-        m: usize,
-        out: &mut [f32],
-    ) {
-        let m4 = _mm256_set1_epi8(0xF);
-        let mut acc = [0f32; 4];
-        let mut accm = [0f32; 4];
-        for b in 0..nb {
-            let x = w.add(b * 144);
-            let (sc, mn) = scales_mins(x.add(4));
-            let (dw, dminw) = (f16_at(x), f16_at(x.add(2)));
-            let mut lo = [_mm256_setzero_si256(); 4];
-            let mut hi = [_mm256_setzero_si256(); 4];
-            for p in 0..4 {
-                let bits = ld(x.add(16 + 32 * p));
-                lo[p] = _mm256_and_si256(bits, m4);
-                hi[p] = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
-            }
-            for r in 0..m {
-                let y = a.add(r * stride + b * 292);
-                let ad = y.cast::<f32>().read_unaligned();
-                let (dd, dm) = (dw * ad, dminw * ad);
-                let mut v = [_mm256_setzero_si256(); 4];
-                for p in 0..4 {
-                    let p_lo = _mm256_madd_epi16(
-                        _mm256_set1_epi16(sc[2 * p] as i16),
-                        _mm256_maddubs_epi16(lo[p], ld(y.add(4 + 64 * p))),
-                    );
-                    let p_hi = _mm256_madd_epi16(
-                        _mm256_set1_epi16(sc[2 * p + 1] as i16),
-                        _mm256_maddubs_epi16(hi[p], ld(y.add(36 + 64 * p))),
-                    );
-                    v[p] = _mm256_add_epi32(p_lo, p_hi);
-                }
-                // The four per-pair sums at once (exact integers).
-                let h =
-                    _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-                let s4 = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
-                let mut isum = [0i32; 4];
-                _mm_storeu_si128(isum.as_mut_ptr().cast(), s4);
-                let bs = |k: usize| y.add(260 + 2 * k).cast::<i16>().read_unaligned() as i32;
-                for p in 0..4 {
-                    let imin = mn[2 * p] as i32 * (bs(4 * p) + bs(4 * p + 1))
-                        + mn[2 * p + 1] as i32 * (bs(4 * p + 2) + bs(4 * p + 3));
-                    acc[r] = (isum[p] as f32).mul_add(dd, acc[r]);
-                    accm[r] = (imin as f32).mul_add(dm, accm[r]);
-                }
-            }
-        }
-        for r in 0..m {
-            out[r] = acc[r] - accm[r];
-        }
-    }
-
-    /// [`super::Flavor::Q6kTiled`] for one activation row.
+    /// [`super::q6k_tiled`] for one activation row.
     ///
     /// # Safety
     /// AVX2, FMA and F16C are available; `w` points at `nb` Q6_K blocks and `a` at `nb` Q8_K.
@@ -481,32 +329,38 @@ mod tests {
         let x = data(n, 7);
         let mut act = Vec::new();
         quantize_activations(GgmlType::Q4K, &x, &mut act).unwrap();
-        for (ty, flavor) in [
-            (GgmlType::Q4K, Flavor::Q4kGemm),
-            (GgmlType::Q6K, Flavor::Q6kTiled),
-        ] {
+        // The Q6_K tiled matmul, and the Q4_K GEMM flavour (now only behind `q4k_x8`, whose
+        // unpacked form is `simd::q4k_gemm_kernels`).
+        type Tile = fn(usize, &[u8], &[u8], usize, usize, &mut [f32]);
+        let q4k_gemm: Tile = simd::q4k_gemm_kernels().tile;
+        let q6k: Tile = q6k_tiled;
+        type Twin = fn(usize, &[u8], &[u8]) -> f32;
+        let twins: [(GgmlType, Tile, Twin); 2] = [
+            (GgmlType::Q4K, q4k_gemm, |nb, w, a| {
+                simd::q4k_gemm::dot(nb * 256, w, a)
+            }),
+            (GgmlType::Q6K, q6k, q6k_tiled_scalar),
+        ];
+        for (ty, tile, twin) in twins {
             let mut w = Vec::new();
             quantize_row(ty, &data(n, 11), &mut w).unwrap();
             // Three activation rows in one call give the same result per row.
             let acts = [act.clone(), act.clone(), act.clone()].concat();
             let mut three = [0f32; 3];
-            flavor_tile(flavor, n, &w, &acts, act.len(), 3, &mut three);
+            tile(n, &w, &acts, act.len(), 3, &mut three);
             let mut out = [0f32; 1];
-            flavor_tile(flavor, n, &w, &act, act.len(), 1, &mut out);
+            tile(n, &w, &act, act.len(), 1, &mut out);
             assert!(
                 three.iter().all(|v| v.to_bits() == out[0].to_bits()),
-                "{flavor:?}"
+                "{ty:?}"
             );
-            let want = match flavor {
-                Flavor::Q4kGemm => q4k_gemm_scalar(n / 256, &w, &act),
-                Flavor::Q6kTiled => q6k_tiled_scalar(n / 256, &w, &act),
-            };
-            assert_eq!(out[0].to_bits(), want.to_bits(), "{flavor:?}");
+            let want = twin(n / 256, &w, &act);
+            assert_eq!(out[0].to_bits(), want.to_bits(), "{ty:?}");
             // and close to the reference dot
             let r = crate::quant::vec_dot(ty, n, &w, &act);
             assert!(
                 (out[0] - r).abs() <= 1e-3 * r.abs().max(1.0),
-                "{flavor:?} {} {r}",
+                "{ty:?} {} {r}",
                 out[0]
             );
         }

@@ -9,19 +9,9 @@
 
 use std::arch::x86_64::*;
 
+use crate::kernels::cpu::simd::avx2::{bcast32, ld};
+
 use super::{A_BYTES, BLOCK_BYTES, GROUP};
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn ld(p: *const u8) -> __m256i {
-    _mm256_loadu_si256(p.cast())
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bcast32(p: *const u8) -> __m256i {
-    _mm256_set1_epi32(p.cast::<i32>().read_unaligned())
-}
 
 /// Eight bytes at `p` as 16 i16 `(b0, b0, b1, b1, ..)`: the scale of weight row `c` in both
 /// words of dword `c`, for `vpmaddwd`.

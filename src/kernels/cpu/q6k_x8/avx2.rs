@@ -8,19 +8,9 @@
 
 use std::arch::x86_64::*;
 
+use crate::kernels::cpu::simd::avx2::{bcast32, ld};
+
 use super::{A_BYTES, GROUP, PANEL_BLOCK};
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn ld(p: *const u8) -> __m256i {
-    _mm256_loadu_si256(p.cast())
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bcast32(p: *const u8) -> __m256i {
-    _mm256_set1_epi32(p.cast::<i32>().read_unaligned())
-}
 
 /// See [`super::dot_group`].
 ///

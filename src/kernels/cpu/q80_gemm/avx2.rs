@@ -4,17 +4,9 @@
 
 use std::arch::x86_64::*;
 
-use super::{A_BYTES, GROUP, SLOT};
+use crate::kernels::cpu::simd::avx2::{bytes_from_bits_32, bytes_from_nibbles_32, hsum_float_8};
 
-/// ggml's `hsum_float_8`: `((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_float_8(x: __m256) -> f32 {
-    let mut r = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    _mm_cvtss_f32(r)
-}
+use super::{A_BYTES, GROUP, SLOT};
 
 /// Unpacks one weight block at `x` (Q8_0 when `q5` is false, else Q5_0) into the panel slot at
 /// `o`: `d` as f32, the 32 signed values, their absolute values (as the scalar `pack_group`).
@@ -30,23 +22,8 @@ pub(super) unsafe fn pack_block(x: *const u8, q5: bool, o: *mut u8) {
     o.cast::<f32>().write_unaligned(d);
     let q = if q5 {
         // ggml's Q5_0 unpack: nibbles (low half first), 0xF0 where the fifth bit is clear.
-        let qh = x.add(2).cast::<u32>().read_unaligned() as i32;
-        let shuf = _mm256_set_epi64x(
-            0x0303_0303_0303_0303,
-            0x0202_0202_0202_0202,
-            0x0101_0101_0101_0101,
-            0,
-        );
-        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh), shuf);
-        let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
-        let bits = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
-        let hi = _mm256_andnot_si256(bits, _mm256_set1_epi8(-16));
-        let t = _mm_loadu_si128(x.add(6).cast());
-        let nib = _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16::<4>(t), t),
-            _mm256_set1_epi8(0xF),
-        );
-        _mm256_or_si256(nib, hi)
+        let hi = _mm256_andnot_si256(bytes_from_bits_32(x.add(2)), _mm256_set1_epi8(-16));
+        _mm256_or_si256(bytes_from_nibbles_32(x.add(6)), hi)
     } else {
         _mm256_loadu_si256(x.add(2).cast())
     };

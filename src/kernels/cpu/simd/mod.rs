@@ -36,7 +36,7 @@ use std::sync::OnceLock;
 use crate::format::GgmlType;
 
 #[cfg(target_arch = "x86_64")]
-mod avx2;
+pub(crate) mod avx2;
 pub mod q4k_gemm;
 #[cfg(test)]
 mod tests;

@@ -204,8 +204,15 @@ fn prefetch_ahead(x: *const u8, lines: usize) {
 /// Unaligned 32-byte load.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn ld(p: *const u8) -> __m256i {
+pub(crate) unsafe fn ld(p: *const u8) -> __m256i {
     _mm256_loadu_si256(p.cast())
+}
+
+/// The 4 bytes at `p` (unaligned) broadcast to all eight dwords (`vpbroadcastd` from memory).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn bcast32(p: *const u8) -> __m256i {
+    _mm256_set1_epi32(p.cast::<i32>().read_unaligned())
 }
 
 /// Unaligned 16-byte load.
@@ -268,7 +275,7 @@ unsafe fn f16x4_gather(p: &[*const u8]) -> __m128 {
 /// ggml's `hsum_float_8`: `((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_float_8(x: __m256) -> f32 {
+pub(crate) fn hsum_float_8(x: __m256) -> f32 {
     let mut r = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
     r = _mm_add_ss(r, _mm_movehdup_ps(r));
@@ -296,7 +303,7 @@ fn hsum_rows<const M: usize>(v: &[__m256i; M]) -> __m128i {
 /// ggml's `bytes_from_nibbles_32`: the 32 nibbles of 16 bytes, low nibbles first, as bytes 0..16.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bytes_from_nibbles_32(p: *const u8) -> __m256i {
+pub(crate) unsafe fn bytes_from_nibbles_32(p: *const u8) -> __m256i {
     let t = ld128(p);
     let b = _mm256_set_m128i(_mm_srli_epi16::<4>(t), t);
     _mm256_and_si256(b, _mm256_set1_epi8(0xF))
@@ -306,7 +313,7 @@ unsafe fn bytes_from_nibbles_32(p: *const u8) -> __m256i {
 /// set, else 0.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
+pub(crate) unsafe fn bytes_from_bits_32(p: *const u8) -> __m256i {
     let x = rd_u32(p) as i32;
     let shuf = _mm256_set_epi64x(
         0x0303_0303_0303_0303,
