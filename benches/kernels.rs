@@ -279,6 +279,7 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
             }
         }
         GgmlType::Q6K => {
+            decode_rows_line(ty, d, budget, sdot);
             for m in [8, 16, 64] {
                 let (xq, mut out) = (acts(m), vec![0f32; m * rows]);
                 let t = best(budget, || {
@@ -289,15 +290,7 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
             }
         }
         GgmlType::Q8_0 | GgmlType::Q5_0 => {
-            if let Some(rows_fn) = infer::kernels::cpu::simd::dot_rows(ty) {
-                let mut out = vec![0f32; rows];
-                let a = &d.acts[..d.act_bytes];
-                let t = best(budget, || {
-                    rows_fn(COLS, &d.w, d.row_bytes, a, &mut out);
-                    black_box(&out);
-                });
-                report("dot_rows (4 rows)", d, t, 1, base(1));
-            }
+            decode_rows_line(ty, d, budget, sdot);
             for m in [4, 16, 64] {
                 if !q80_gemm::applies(ty, COLS, m) {
                     continue;
@@ -311,5 +304,18 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
             }
         }
         _ => {}
+    }
+}
+
+/// The decode kernel that takes four weight rows per call against one activation row.
+fn decode_rows_line(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
+    if let Some(rows_fn) = infer::kernels::cpu::simd::dot_rows(ty) {
+        let mut out = vec![0f32; d.rows()];
+        let a = &d.acts[..d.act_bytes];
+        let t = best(budget, || {
+            rows_fn(COLS, &d.w, d.row_bytes, a, &mut out);
+            black_box(&out);
+        });
+        report("dot_rows (4 rows)", d, t, 1, Some(sdot));
     }
 }

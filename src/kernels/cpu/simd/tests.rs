@@ -431,11 +431,11 @@ fn infer_simd_env_is_honoured() {
 #[test]
 fn dot_rows_equals_dot_bit_for_bit() {
     let mut rng = Rng(0x05ee_dd07);
-    for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
+    for ty in [GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q6K] {
         let (Some(rows_fn), Some(k)) = (dot_rows(ty), kernels(ty)) else {
             continue;
         };
-        let n = 640;
+        let n = 768;
         let mut w = Vec::new();
         let mut tmp = Vec::new();
         for _ in 0..11 {

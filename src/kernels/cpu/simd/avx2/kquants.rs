@@ -21,7 +21,7 @@ use std::arch::x86_64::*;
 
 use super::{
     entries, f16_bcast, f16x2_at, hsum_float_8, hsum_rows, k4_scales_mins, ld, ld128,
-    prefetch_ahead, rd_f32, rd_u32,
+    prefetch_ahead, rd_f32, rd_u32, wrows_entry,
 };
 use crate::quant::blocks::{Block, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K};
 
@@ -312,51 +312,116 @@ unsafe fn q6k_rows<const M: usize>(
     stride: usize,
     out: *mut f32,
 ) {
-    let m3 = _mm256_set1_epi8(3);
-    let m15 = _mm256_set1_epi8(15);
     let mut acc = [_mm256_setzero_ps(); M];
     for b in 0..nb {
         let x = w.add(b * BlockQ6K::BYTES);
         prefetch_ahead(x, 4);
         let ya = a.add(b * A_BYTES);
-        let scales = ld128(x.add(192));
-        let mut sumi = [_mm256_setzero_si256(); M];
-        for j in 0..2 {
-            let bits1 = ld(x.add(64 * j));
-            let bits2 = ld(x.add(64 * j + 32));
-            let hbits = ld(x.add(128 + 32 * j));
-            let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hbits, m3));
-            let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(hbits, _mm256_set1_epi8(12)));
-            let h2 = _mm256_and_si256(hbits, _mm256_set1_epi8(48));
-            let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(hbits, _mm256_set1_epi8(-64)));
-            let q = [
-                _mm256_or_si256(_mm256_and_si256(bits1, m15), h0),
-                _mm256_or_si256(_mm256_and_si256(bits2, m15), h1),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits1), m15), h2),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits2), m15), h3),
-            ];
-            for (k, qk) in q.iter().enumerate() {
-                // Scales 2g and 2g+1 (g = 4j + k) for the two 16-value halves of this group.
-                let g = (4 * j + k) as i64;
-                let ctl = _mm_set_epi64x(
-                    (2 * g + 1) * 0x0101_0101_0101_0101,
-                    2 * g * 0x0101_0101_0101_0101,
-                );
-                let sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, ctl));
-                for (r, s) in sumi.iter_mut().enumerate() {
-                    let y = ya.add(r * stride + A_QS + 128 * j + 32 * k);
-                    let p = _mm256_madd_epi16(sc, _mm256_maddubs_epi16(*qk, ld(y)));
-                    *s = _mm256_add_epi32(*s, p);
-                }
-            }
-        }
-        let scales16 = _mm256_cvtepi8_epi16(scales);
+        let sumi: [__m256i; M] = q6k_block_isums(x, ya, stride);
         let dw = f16_bcast(x.add(208));
         for (r, (s, ac)) in sumi.iter().zip(acc.iter_mut()).enumerate() {
-            let y = ya.add(r * stride);
-            let sub = _mm256_slli_epi32::<5>(_mm256_madd_epi16(ld(y.add(A_BSUMS)), scales16));
-            let s = _mm256_sub_epi32(*s, sub);
-            let d = _mm256_mul_ps(_mm256_set1_ps(rd_f32(y)), dw);
+            let d = _mm256_mul_ps(_mm256_set1_ps(rd_f32(ya.add(r * stride))), dw);
+            *ac = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(*s), *ac);
+        }
+    }
+    for (r, ac) in acc.iter().enumerate() {
+        *out.add(r) = hsum_float_8(*ac);
+    }
+}
+
+/// The `vpshufb` control that, from eight i16 scales in each 128-bit lane, broadcasts scale `2k`
+/// over the low lane and scale `2k + 1` over the high lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scale_pick(k: usize) -> __m256i {
+    let lo = (0x0100 + 0x0202 * 2 * k as i64) * 0x0001_0001_0001_0001;
+    let hi = (0x0100 + 0x0202 * (2 * k as i64 + 1)) * 0x0001_0001_0001_0001;
+    _mm256_set_epi64x(hi, hi, lo, lo)
+}
+
+/// The exact integer sums of one Q6_K block against `M` Q8_K activation blocks (`stride` bytes
+/// apart), eight i32 lanes each, lane for lane as `ggml_vec_dot_q6_K_q8_K` forms them: the unsigned
+/// 6-bit values times the activations, weighted per 16 values by the block's scales, minus
+/// `32 * Σ scale * bsum`.
+///
+/// # Safety
+/// `x` points at one Q6_K block and `ya + r * stride` at a Q8_K block for every `r < M`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_block_isums<const M: usize>(
+    x: *const u8,
+    ya: *const u8,
+    stride: usize,
+) -> [__m256i; M] {
+    let m3 = _mm256_set1_epi8(3);
+    let m15 = _mm256_set1_epi8(15);
+    let scales = ld128(x.add(192));
+    // The 16 scales widened once; per half-block j both 128-bit lanes hold its eight scales, and
+    // one in-lane byte shuffle per group g = 4j + k then puts scale 2g in the low lane's eight
+    // i16 slots and 2g+1 in the high lane's.
+    let scales16 = _mm256_cvtepi8_epi16(scales);
+    let mut sumi = [_mm256_setzero_si256(); M];
+    for j in 0..2 {
+        let sj = if j == 0 {
+            _mm256_permute4x64_epi64::<0x44>(scales16)
+        } else {
+            _mm256_permute4x64_epi64::<0xEE>(scales16)
+        };
+        let bits1 = ld(x.add(64 * j));
+        let bits2 = ld(x.add(64 * j + 32));
+        let hbits = ld(x.add(128 + 32 * j));
+        let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hbits, m3));
+        let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(hbits, _mm256_set1_epi8(12)));
+        let h2 = _mm256_and_si256(hbits, _mm256_set1_epi8(48));
+        let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(hbits, _mm256_set1_epi8(-64)));
+        let q = [
+            _mm256_or_si256(_mm256_and_si256(bits1, m15), h0),
+            _mm256_or_si256(_mm256_and_si256(bits2, m15), h1),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits1), m15), h2),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits2), m15), h3),
+        ];
+        for (k, qk) in q.iter().enumerate() {
+            // Scales 2g and 2g+1 (g = 4j + k) for the two 16-value halves of this group.
+            let sc = _mm256_shuffle_epi8(sj, scale_pick(k));
+            for (r, s) in sumi.iter_mut().enumerate() {
+                let y = ya.add(r * stride + A_QS + 128 * j + 32 * k);
+                let p = _mm256_madd_epi16(sc, _mm256_maddubs_epi16(*qk, ld(y)));
+                *s = _mm256_add_epi32(*s, p);
+            }
+        }
+    }
+    for (r, s) in sumi.iter_mut().enumerate() {
+        let y = ya.add(r * stride);
+        let sub = _mm256_slli_epi32::<5>(_mm256_madd_epi16(ld(y.add(A_BSUMS)), scales16));
+        *s = _mm256_sub_epi32(*s, sub);
+    }
+    sumi
+}
+
+/// The decode shape of [`q6k_rows`]: four weight rows (`row_bytes` apart) against ONE activation
+/// row. Each row keeps its own accumulator and the float operations of `q6k_rows::<1>`, so
+/// `out[r]` is bit-identical to the `dot` of row `r`; the four rows' independent work overlaps,
+/// and each step prefetches the matching part of the next four rows (a short contiguous run the
+/// hardware prefetcher does not pick up in time).
+///
+/// # Safety
+/// Four weight rows of `nb` Q6_K blocks at `w + r * row_bytes`, one activation row of `nb` Q8_K
+/// blocks at `a`; `out` has four slots; AVX2, FMA and F16C are present.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, out: *mut f32) {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let lines = (4 * BlockQ6K::BYTES).div_ceil(64);
+    for b in 0..nb {
+        let pf = w.wrapping_add(4 * row_bytes + b * 4 * BlockQ6K::BYTES);
+        for l in 0..lines {
+            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * l).cast());
+        }
+        let ya = a.add(b * A_BYTES);
+        let da = _mm256_set1_ps(rd_f32(ya));
+        for (r, ac) in acc.iter_mut().enumerate() {
+            let x = w.add(r * row_bytes + b * BlockQ6K::BYTES);
+            let [s] = q6k_block_isums::<1>(x, ya, 0);
+            let d = _mm256_mul_ps(da, f16_bcast(x.add(208)));
             *ac = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), *ac);
         }
     }
@@ -364,6 +429,15 @@ unsafe fn q6k_rows<const M: usize>(
         *out.add(r) = hsum_float_8(*ac);
     }
 }
+
+wrows_entry!(
+    q6k_dot_rows,
+    q6k_wrows4,
+    q6k_rows,
+    QK,
+    BlockQ6K::BYTES,
+    A_BYTES
+);
 
 /// Q5_K (block: `d` @0, `dmin` @2, 12 scale/min bytes @4, `qh` 32 bytes @16, `qs` 128 @48).
 ///

@@ -60,6 +60,7 @@ pub(super) fn dot_rows(ty: GgmlType) -> Option<super::DotRowsFn> {
     match ty {
         GgmlType::Q8_0 => Some(legacy::q8_0_dot_rows),
         GgmlType::Q5_0 => Some(legacy::q5_0_dot_rows),
+        GgmlType::Q6K => Some(kquants::q6k_dot_rows),
         _ => None,
     }
 }
