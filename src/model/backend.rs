@@ -74,6 +74,13 @@ pub struct AttnShape {
     pub scale: f32,
 }
 
+/// One job of [`Backend::matmul_many`]: a weight, its optional bias, and the output.
+pub type MatmulJob<'a, B> = (
+    &'a <B as Backend>::Weight,
+    Option<&'a <B as Backend>::Vector>,
+    &'a mut <B as Backend>::Act,
+);
+
 pub trait Backend {
     /// A weight matrix, resident where this backend computes.
     type Weight;
@@ -122,6 +129,14 @@ pub trait Backend {
         bias: Option<&Self::Vector>,
         out: &mut Self::Act,
     );
+    /// Several matmuls of one input: `out_i = x · W_iᵀ (+ bias_i)` for each job, every result as
+    /// [`Backend::matmul`] gives it alone. A backend may share work between them (the CPU one
+    /// quantizes `x` once and runs a decode step's jobs in one parallel region).
+    fn matmul_many(&self, x: &Self::Act, jobs: &mut [MatmulJob<'_, Self>]) {
+        for (w, bias, out) in jobs.iter_mut() {
+            self.matmul(w, x, *bias, out);
+        }
+    }
     /// Rotate each head of each row by its position; pair i's angle is divided by
     /// `freq_factors[i]` when given (llama.cpp's `rope_freqs`, e.g. Llama 3 RoPE scaling).
     fn rope(

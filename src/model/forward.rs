@@ -82,9 +82,14 @@ impl<B: Backend> Model<B> {
             be.rms_norm(&x, &lw.attn_norm, cfg.norm_eps, &mut h);
             match (&lw.attn, &cfg.mla) {
                 (Attn::Mha(a), _) => {
-                    be.matmul(&a.wq, &h, a.bq.as_ref(), &mut q);
-                    be.matmul(&a.wk, &h, a.bk.as_ref(), &mut k);
-                    be.matmul(&a.wv, &h, a.bv.as_ref(), &mut v);
+                    be.matmul_many(
+                        &h,
+                        &mut [
+                            (&a.wq, a.bq.as_ref(), &mut q),
+                            (&a.wk, a.bk.as_ref(), &mut k),
+                            (&a.wv, a.bv.as_ref(), &mut v),
+                        ],
+                    );
                     if let Some(qn) = &a.q_norm {
                         be.rms_norm_inplace(&mut q, qn, cfg.norm_eps);
                     }
@@ -154,8 +159,10 @@ impl<B: Backend> Model<B> {
             be.rms_norm(&x, &lw.ffn_norm, cfg.norm_eps, &mut h);
             match &lw.ffn {
                 Ffn::Dense(m) => {
-                    be.matmul(&m.gate, &h, None, &mut gate);
-                    be.matmul(&m.up, &h, None, &mut up);
+                    be.matmul_many(
+                        &h,
+                        &mut [(&m.gate, None, &mut gate), (&m.up, None, &mut up)],
+                    );
                     be.glu(&mut gate, &up, cfg.activation);
                     be.matmul(&m.down, &gate, None, &mut o);
                 }

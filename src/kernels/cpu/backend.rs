@@ -17,7 +17,9 @@ use crate::kernels::cpu::matmul;
 use crate::kernels::cpu::ops;
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::q4k_x8;
-use crate::model::backend::{AttnQuery, AttnShape, Backend, HeadCopy, KvType, Rope, WeightSource};
+use crate::model::backend::{
+    AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+};
 use crate::model::config::Activation;
 
 /// A weight matrix viewed in place in the mapped file.
@@ -284,18 +286,23 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, w: &CpuWeight, x: &CpuAct, bias: Option<&Vec<f32>>, out: &mut CpuAct) {
-        debug_assert_eq!(x.cols, w.cols);
-        debug_assert_eq!(out.cols, w.rows);
-        matmul::matmul(
+        self.matmul_many(x, &mut [(w, bias, out)]);
+    }
+
+    fn matmul_many(&self, x: &CpuAct, jobs: &mut [MatmulJob<'_, Self>]) {
+        let mut mm: Vec<(&CpuWeight, &mut CpuAct)> =
+            jobs.iter_mut().map(|(w, _, o)| (*w, &mut **o)).collect();
+        matmul::matmul_many(
             &self.pool,
-            w,
             x,
-            out,
+            &mut mm,
             self.row_invariant.load(Ordering::Relaxed),
         );
-        if let Some(b) = bias {
-            for row in out.data.chunks_exact_mut(w.rows) {
-                row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+        for (w, bias, out) in jobs.iter_mut() {
+            if let Some(b) = bias {
+                for row in out.data.chunks_exact_mut(w.rows) {
+                    row.iter_mut().zip(b.iter()).for_each(|(o, b)| *o += b);
+                }
             }
         }
     }

@@ -45,36 +45,150 @@ const TILE: usize = 4;
 /// out (n × rows) = x (n × cols) · Wᵀ. With `invariant`, every row is computed as a one-row call
 /// would compute it (no GEMM flavours), so results do not depend on `n`.
 pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct, invariant: bool) {
-    let (n, cols, rows) = (x.rows, w.cols, w.rows);
-    assert_eq!(x.cols, cols, "matmul input width");
-    assert_eq!((out.rows, out.cols), (n, rows), "matmul output shape");
-    let act_ty = crate::quant::vec_dot_type(w.ty);
-    let a_bytes = crate::quant::activation_row_bytes(act_ty, cols)
+    matmul_many(pool, x, &mut [(w, out)], invariant);
+}
+
+/// Several matmuls of the same input, `out_i = x · W_iᵀ`, each computed exactly as [`matmul`]
+/// computes it alone. What is shared: the activations are quantized once when every weight takes
+/// the same activation format, and a one-row call (decode) runs all the weights' rows in one
+/// parallel region instead of one region per weight (the small K and V projections cost less
+/// than the dispatch otherwise).
+pub fn matmul_many(
+    pool: &ThreadPool,
+    x: &CpuAct,
+    jobs: &mut [(&CpuWeight, &mut CpuAct)],
+    invariant: bool,
+) {
+    let n = x.rows;
+    for (w, out) in jobs.iter() {
+        assert_eq!(x.cols, w.cols, "matmul input width");
+        assert_eq!((out.rows, out.cols), (n, w.rows), "matmul output shape");
+    }
+    let Some((first, _)) = jobs.first() else {
+        return;
+    };
+    let act_ty = crate::quant::vec_dot_type(first.ty);
+    if jobs[1..]
+        .iter()
+        .any(|(w, _)| crate::quant::vec_dot_type(w.ty) != act_ty)
+    {
+        for (w, out) in jobs.iter_mut() {
+            matmul_many(pool, x, &mut [(*w, &mut **out)], invariant);
+        }
+        return;
+    }
+    let a_bytes = crate::quant::activation_row_bytes(act_ty, x.cols)
         .expect("activation row fits the block size");
     XQ.with_borrow_mut(|xq| {
-        quantize_rows(pool, w.ty, x, a_bytes, xq);
-        if let Some(packed) = w.packed_q4k(pool) {
-            let gemm = !invariant;
-            crate::kernels::cpu::q4k_x8::matmul(
-                pool,
-                packed,
-                rows,
-                cols,
-                xq,
-                n,
-                gemm,
-                &mut out.data,
-            );
-        } else if q80_gemm::applies(w.ty, cols, n) {
-            let done = q80_gemm::matmul(pool, w.ty, w.bytes(), rows, cols, xq, n, &mut out.data);
-            matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
-        } else if !invariant && w.ty == GgmlType::Q6K && q6k_x8::applies(rows, cols, n) {
-            let done = q6k_x8::matmul(pool, w.bytes(), rows, cols, xq, n, &mut out.data);
-            matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
-        } else {
-            matmul_rows(pool, w, xq, a_bytes, n, 0, out, invariant);
+        quantize_rows(pool, first.ty, x, a_bytes, xq);
+        if n == 1 {
+            decode_many(pool, jobs, xq);
+            return;
+        }
+        for (w, out) in jobs.iter_mut() {
+            matmul_quantized(pool, w, xq, a_bytes, n, out, invariant);
         }
     });
+}
+
+/// The body of [`matmul`] once the `n` activation rows are quantized into `xq`.
+fn matmul_quantized(
+    pool: &ThreadPool,
+    w: &CpuWeight,
+    xq: &[u8],
+    a_bytes: usize,
+    n: usize,
+    out: &mut CpuAct,
+    invariant: bool,
+) {
+    let (rows, cols) = (w.rows, w.cols);
+    if let Some(packed) = w.packed_q4k(pool) {
+        let gemm = !invariant;
+        crate::kernels::cpu::q4k_x8::matmul(pool, packed, rows, cols, xq, n, gemm, &mut out.data);
+    } else if q80_gemm::applies(w.ty, cols, n) {
+        let done = q80_gemm::matmul(pool, w.ty, w.bytes(), rows, cols, xq, n, &mut out.data);
+        matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
+    } else if !invariant && w.ty == GgmlType::Q6K && q6k_x8::applies(rows, cols, n) {
+        let done = q6k_x8::matmul(pool, w.bytes(), rows, cols, xq, n, &mut out.data);
+        matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
+    } else {
+        matmul_rows(pool, w, xq, a_bytes, n, 0, out, invariant);
+    }
+}
+
+/// Output rows per unit of decode work: one x8-packed Q4_K group.
+const DECODE_UNIT: usize = 8;
+
+/// One activation row (`xq`) against every job's weight rows in one parallel region, units of
+/// [`DECODE_UNIT`] rows handed out across the jobs; each row computed by the kernel a one-row
+/// [`matmul`] uses for it (the GEMV flavour of packed Q4_K, `dot_rows` where a type has it, else
+/// the type's tile kernel).
+fn decode_many(pool: &ThreadPool, jobs: &mut [(&CpuWeight, &mut CpuAct)], xq: &[u8]) {
+    // Unit offsets of each job: job i owns units starts[i]..starts[i + 1].
+    let mut starts = vec![0usize];
+    for (w, _) in jobs.iter() {
+        starts.push(starts.last().unwrap() + w.rows.div_ceil(DECODE_UNIT));
+    }
+    let total = *starts.last().unwrap();
+    let outs: Vec<SharedMut<f32>> = jobs
+        .iter_mut()
+        .map(|(_, o)| SharedMut(o.data.as_mut_ptr()))
+        .collect();
+    let ws: Vec<&CpuWeight> = jobs.iter().map(|(w, _)| *w).collect();
+    // Packing happens here, on the calling thread, not inside the region.
+    let packed: Vec<Option<&[u8]>> = ws.iter().map(|w| w.packed_q4k(pool)).collect();
+    pool.for_range(total, 8, |range| {
+        for (i, w) in ws.iter().enumerate() {
+            let (lo, hi) = (range.start.max(starts[i]), range.end.min(starts[i + 1]));
+            if lo >= hi {
+                continue;
+            }
+            let r0 = (lo - starts[i]) * DECODE_UNIT;
+            let r1 = ((hi - starts[i]) * DECODE_UNIT).min(w.rows);
+            // SAFETY: rows r0..r1 of job i's output (one activation row of `w.rows` values) are
+            // inside it and belong to this chunk's units only, so no other thread writes them.
+            let o = unsafe { std::slice::from_raw_parts_mut(outs[i].ptr().add(r0), r1 - r0) };
+            decode_rows_of(w, packed[i], xq, r0, o);
+        }
+    });
+}
+
+/// Rows `r0..r0 + out.len()` of `w` against one quantized activation row (`r0` a multiple of
+/// [`DECODE_UNIT`]).
+fn decode_rows_of(w: &CpuWeight, packed: Option<&[u8]>, xq: &[u8], r0: usize, out: &mut [f32]) {
+    let r1 = r0 + out.len();
+    if let Some(p) = packed {
+        let nb = w.cols / 256;
+        let gb = nb * crate::kernels::cpu::q4k_x8::BLOCK_BYTES;
+        let mut res = [[0f32; DECODE_UNIT]; 4];
+        for g in r0 / DECODE_UNIT..r1.div_ceil(DECODE_UNIT) {
+            crate::kernels::cpu::q4k_x8::dot_group(
+                nb,
+                &p[g * gb..(g + 1) * gb],
+                xq,
+                xq.len(),
+                1,
+                false,
+                &mut res,
+            );
+            let at = g * DECODE_UNIT - r0;
+            out[at..at + DECODE_UNIT].copy_from_slice(&res[0]);
+        }
+        return;
+    }
+    let (wb, rb) = (w.bytes(), w.row_bytes);
+    if let Some(dot_rows) = simd::dot_rows(w.ty) {
+        dot_rows(w.cols, &wb[r0 * rb..r1 * rb], rb, xq, out);
+        return;
+    }
+    let kern = simd::kernels(w.ty)
+        .or_else(|| simd::reference(w.ty))
+        .expect("supported weight type has a dot product");
+    let mut res = [0f32; TILE];
+    for (r, o) in (r0..r1).zip(out.iter_mut()) {
+        (kern.tile)(w.cols, &wb[r * rb..(r + 1) * rb], xq, xq.len(), 1, &mut res);
+        *o = res[0];
+    }
 }
 
 thread_local! {
@@ -118,12 +232,6 @@ fn matmul_rows(
     invariant: bool,
 ) {
     let (cols, rows) = (w.cols, w.rows);
-    if n == 1 {
-        if let Some(dot_rows) = simd::dot_rows(w.ty) {
-            decode_rows(pool, w, &xq[..a_bytes], first_row, dot_rows, &mut out.data);
-            return;
-        }
-    }
     let kern = simd::kernels(w.ty)
         .or_else(|| simd::reference(w.ty))
         .expect("supported weight type has a dot product");
@@ -154,27 +262,6 @@ fn matmul_rows(
                 }
             }
         }
-    });
-}
-
-/// One activation row against weight rows `first_row..` (the decode shape), in chunks of rows
-/// per thread.
-fn decode_rows(
-    pool: &ThreadPool,
-    w: &CpuWeight,
-    xq: &[u8],
-    first_row: usize,
-    dot_rows: simd::DotRowsFn,
-    out: &mut [f32],
-) {
-    let (wb, rb) = (w.bytes(), w.row_bytes);
-    let dst = SharedMut(out.as_mut_ptr());
-    pool.for_range(w.rows - first_row, 64, |range| {
-        let (lo, hi) = (range.start + first_row, range.end + first_row);
-        // SAFETY: rows lo..hi are this chunk's only (disjoint from every other thread's) and
-        // inside `out` (one activation row of `w.rows` outputs).
-        let o = unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(lo), hi - lo) };
-        dot_rows(w.cols, &wb[lo * rb..hi * rb], rb, xq, o);
     });
 }
 
@@ -322,6 +409,85 @@ mod tests {
     use crate::quant::{quantize_activations, quantize_row};
 
     use crate::kernels::cpu::test_floats as data;
+
+    /// `matmul_many` gives each job exactly what a `matmul` of its own gives, for one activation row
+    /// (the merged decode region) and several, with one shared quantization and without (a job
+    /// whose weight takes another activation format).
+    #[test]
+    fn matmul_many_equals_single_matmuls() {
+        use crate::format::{writer::GgufWriter, Gguf};
+        use crate::kernels::cpu::backend::CpuBackend;
+        use crate::model::backend::{Backend, WeightSource};
+        use std::sync::Arc;
+        let cols = 512;
+        let specs = [
+            (GgmlType::Q4K, 24), // x8-packed
+            (GgmlType::Q6K, 13), // dot_rows, a ragged last unit
+            (GgmlType::Q8_0, 9),
+            (GgmlType::Q4_0, 5), // tile kernel
+            (GgmlType::F16, 3),  // its own activation format
+        ];
+        let mut wr = GgufWriter::new();
+        for (i, &(ty, rows)) in specs.iter().enumerate() {
+            let mut bytes = Vec::new();
+            for r in 0..rows {
+                let mut row = Vec::new();
+                quantize_row(ty, &data(cols, 100 + (i * 31 + r) as u32), &mut row).unwrap();
+                bytes.extend(row);
+            }
+            wr.add_tensor(&format!("w{i}"), &[cols as u64, rows as u64], ty, bytes)
+                .unwrap();
+        }
+        let g = Arc::new(Gguf::from_bytes(wr.to_bytes()).unwrap());
+        let be = CpuBackend::new(2);
+        let ws: Vec<_> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, &(ty, rows))| {
+                let t = &g.tensors[i];
+                be.load_weight(&WeightSource {
+                    file: &g,
+                    index: i,
+                    name: &t.name,
+                    ty,
+                    rows,
+                    cols,
+                    bytes: g.tensor_data(t),
+                })
+                .unwrap()
+            })
+            .collect();
+        for n in [1, 3, 17] {
+            let mut x = be.act(n, cols);
+            x.data.copy_from_slice(&data(n * cols, 7 + n as u32));
+            let single: Vec<Vec<f32>> = ws
+                .iter()
+                .map(|w| {
+                    let mut o = be.act(n, w.rows);
+                    be.matmul(w, &x, None, &mut o);
+                    o.data
+                })
+                .collect();
+            // all but the F16 weight share one quantization; then every job together
+            for take in [specs.len() - 1, specs.len()] {
+                let mut outs: Vec<_> = ws[..take].iter().map(|w| be.act(n, w.rows)).collect();
+                let mut jobs: Vec<_> = ws[..take]
+                    .iter()
+                    .zip(outs.iter_mut())
+                    .map(|(w, o)| (w, None, o))
+                    .collect();
+                be.matmul_many(&x, &mut jobs);
+                for (i, o) in outs.iter().enumerate() {
+                    let same = o
+                        .data
+                        .iter()
+                        .zip(&single[i])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "n={n} job {i} ({:?}) of {take}", specs[i].0);
+                }
+            }
+        }
+    }
 
     #[test]
     fn flavors_simd_equal_scalar() {
