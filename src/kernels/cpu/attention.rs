@@ -28,7 +28,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use crate::kernels::cpu::backend::{CpuAct, CpuKv};
-use crate::kernels::cpu::ops::{ggml_isa, v_expf, GgmlIsa};
+use crate::kernels::cpu::ops::{ggml_isa, v_expf8, GgmlIsa};
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::model::backend::{AttnQuery, AttnShape};
 
@@ -585,30 +585,64 @@ fn tiled(
         }
         m = m_new;
         sum = (sum as f64 + soft_max(&mut kq, m_new, isa)) as f32;
-        // V: one FMA chain per output element in position order; four positions per pass so
-        // the accumulator is loaded and stored once per four multiply-adds.
-        let mut p = a;
-        while p + 3 <= b {
-            let (v0, v1, v2, v3) = (heads.v(p), heads.v(p + 1), heads.v(p + 2), heads.v(p + 3));
-            let pr: [f32; 4] = std::array::from_fn(|i| kq[p + i - base]);
-            for (d, acc) in scratch.acc.iter_mut().enumerate() {
-                let x = v0[d].mul_add(pr[0], *acc);
-                let x = v1[d].mul_add(pr[1], x);
-                let x = v2[d].mul_add(pr[2], x);
-                *acc = v3[d].mul_add(pr[3], x);
-            }
-            p += 4;
-        }
-        for p in p..=b {
-            let pr = kq[p - base];
-            for (acc, &v) in scratch.acc.iter_mut().zip(heads.v(p)) {
-                *acc = v.mul_add(pr, *acc);
-            }
-        }
+        accumulate_v(heads, a, b, &kq[a - base..=b - base], &mut scratch.acc);
     }
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
     for (r, &a) in res.iter_mut().zip(&scratch.acc) {
         *r = a * inv;
+    }
+}
+
+/// V of one tile: `acc[d] = fma(v[p][d], pr[p - a], acc[d])` for p = a..=b, one FMA chain per
+/// output element in position order.
+#[inline(always)]
+fn accumulate_v(heads: &Heads<'_>, a: usize, b: usize, pr: &[f32], acc: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar
+        && acc.len() % 64 == 0
+    {
+        // SAFETY: a non-scalar level means AVX2 and FMA were detected; the callee checks the
+        // lengths it relies on.
+        unsafe { accumulate_v_avx2(heads, a, b, pr, acc) };
+        return;
+    }
+    for p in a..=b {
+        let w = pr[p - a];
+        for (x, &v) in acc.iter_mut().zip(heads.v(p)) {
+            *x = v.mul_add(w, *x);
+        }
+    }
+}
+
+/// [`accumulate_v`] with the accumulator in registers, 64 values (eight vectors of independent
+/// chains) at a time over all the tile's positions.
+///
+/// # Safety
+/// AVX2 and FMA are available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn accumulate_v_avx2(heads: &Heads<'_>, a: usize, b: usize, pr: &[f32], acc: &mut [f32]) {
+    use std::arch::x86_64::*;
+    // Rows a..=b are `heads.kvd` values apart in one buffer (`Heads::v`); checking the first and
+    // the last row's bounds covers every read below.
+    assert!(pr.len() == b + 1 - a && acc.len() % 64 == 0 && heads.hd == acc.len());
+    let (first, last) = (heads.v(a).as_ptr(), heads.v(b).as_ptr());
+    assert_eq!(last as usize - first as usize, (b - a) * heads.kvd * 4);
+    let base = first;
+    let step = heads.kvd; // values between consecutive positions' rows
+    for d0 in (0..acc.len()).step_by(64) {
+        let mut r: [__m256; 8] =
+            std::array::from_fn(|i| _mm256_loadu_ps(acc.as_ptr().add(d0 + 8 * i)));
+        for (i, &w) in pr.iter().enumerate() {
+            let wv = _mm256_set1_ps(w);
+            let v = base.add(i * step + d0);
+            for (j, x) in r.iter_mut().enumerate() {
+                *x = _mm256_fmadd_ps(_mm256_loadu_ps(v.add(8 * j)), wv, *x);
+            }
+        }
+        for (j, x) in r.iter().enumerate() {
+            _mm256_storeu_ps(acc.as_mut_ptr().add(d0 + 8 * j), *x);
+        }
     }
 }
 
@@ -661,8 +695,10 @@ unsafe fn scores_avx2(q: &[f32], kt: &[&[f32]; 4], acc: &mut [[f32; 8]; 4]) {
 /// accumulated one vector at a time (each vector reduced in ggml's lane order).
 #[inline(always)]
 fn soft_max(x: &mut [f32; FA_TILE_KV], max: f32, isa: GgmlIsa) -> f64 {
-    for v in x.iter_mut() {
-        *v = v_expf(*v - max, isa);
+    for c in x.chunks_exact_mut(8) {
+        let c: &mut [f32; 8] = c.try_into().expect("8 lanes");
+        c.iter_mut().for_each(|v| *v -= max);
+        v_expf8(c, isa);
     }
     let mut sum = 0f64;
     match isa {

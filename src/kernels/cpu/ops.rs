@@ -114,6 +114,75 @@ pub fn v_expf(x: f32, isa: GgmlIsa) -> f32 {
     }
 }
 
+/// [`v_expf`] of eight values in place, bit for bit: the vector form of ggml's kernel when every
+/// lane is in the common range (`|n| <= 126`, where 2^n is a normal f32 and both builds' results
+/// are `k·j` products the scalar form rounds the same way), else lane by lane through [`v_expf`].
+#[inline(always)]
+pub fn v_expf8(x: &mut [f32; 8], isa: GgmlIsa) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar {
+        // SAFETY: a non-scalar level means AVX2, FMA and F16C were detected.
+        if unsafe { expf_x86::v_expf8(x, isa) } {
+            return;
+        }
+    }
+    for v in x.iter_mut() {
+        *v = v_expf(*v, isa);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod expf_x86 {
+    use super::GgmlIsa;
+    use std::arch::x86_64::*;
+
+    /// The common-range path of [`super::v_expf8`]; returns false (leaving `x` untouched) when a
+    /// lane needs the scalar form.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn v_expf8(x: &mut [f32; 8], isa: GgmlIsa) -> bool {
+        let c = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
+        let xv = _mm256_loadu_ps(x.as_ptr());
+        let r = _mm256_set1_ps(12_582_912.0);
+        let z = _mm256_fmadd_ps(xv, c(0x3fb8_aa3b), r);
+        let n = _mm256_sub_ps(z, r);
+        let b = _mm256_fnmadd_ps(n, c(0x35bf_be8e), _mm256_fnmadd_ps(n, c(0x3f31_7200), xv));
+        let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
+        // NaN lanes also leave the fast path (the comparison is ordered).
+        let ok = _mm256_cmp_ps::<_CMP_LE_OQ>(abs_n, _mm256_set1_ps(126.0));
+        if _mm256_movemask_ps(ok) != 0xFF {
+            return false;
+        }
+        let k = _mm256_castsi256_ps(_mm256_add_epi32(
+            _mm256_slli_epi32::<23>(_mm256_castps_si256(z)),
+            _mm256_castps_si256(_mm256_set1_ps(1.0)),
+        ));
+        let u = _mm256_mul_ps(b, b);
+        let poly = _mm256_fmadd_ps(
+            _mm256_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
+            u,
+            _mm256_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
+        );
+        let out = match isa {
+            GgmlIsa::Avx2 => {
+                let j = _mm256_fmadd_ps(poly, u, _mm256_mul_ps(c(0x3f7f_fff6), b));
+                _mm256_fmadd_ps(j, k, k)
+            }
+            GgmlIsa::Avx512 => {
+                // scalef(j, n) = j·2^n rounded once; k = 2^n exactly here, so one multiply.
+                let j =
+                    _mm256_fmadd_ps(poly, u, _mm256_fmadd_ps(c(0x3f7f_fff6), b, c(0x3f80_0000)));
+                _mm256_mul_ps(j, k)
+            }
+        };
+        _mm256_storeu_ps(x.as_mut_ptr(), out);
+        true
+    }
+}
+
 /// Runs `f` (an `#[inline(always)]` body) compiled with FMA where the CPU has it: results are the
 /// same either way (`mul_add` is exactly rounded), only speed differs (without the target feature
 /// `mul_add` is a library call).
@@ -269,8 +338,13 @@ fn glu_impl(gate: &mut [f32], up: &[f32], act: Activation) {
             let n = gate.len();
             let (gv, gt) = gate.split_at_mut(n - n % lanes);
             let (uv, ut) = up.split_at(n - n % lanes);
-            for (g, &u) in gv.iter_mut().zip(uv) {
-                *g = silu(*g, isa) * u;
+            for (g, u) in gv.chunks_exact_mut(8).zip(uv.chunks_exact(8)) {
+                // silu: x / (1 + v_expf(0 - x)), eight lanes at a time (the same per lane)
+                let mut e: [f32; 8] = std::array::from_fn(|i| 0.0 - g[i]);
+                v_expf8(&mut e, isa);
+                for i in 0..8 {
+                    g[i] = (g[i] / (1.0 + e[i])) * u[i];
+                }
             }
             for (g, &u) in gt.iter_mut().zip(ut) {
                 *g = (*g / (1.0 + (-*g).exp())) * u;
@@ -376,6 +450,41 @@ mod tests {
         }
         assert_eq!((n, sum), (37_376, 893_681_586));
         assert_eq!(h, 0xaa3b_2ea2_9546_12b3);
+    }
+
+    #[test]
+    fn v_expf8_equals_v_expf_bit_for_bit() {
+        let mut xs: Vec<f32> = (-2000..=2000).map(|i| i as f32 * 0.0537).collect();
+        xs.extend([
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            f32::NAN,
+            -0.0,
+            -87.3,
+            -87.4,
+            -103.9,
+            -104.0,
+            88.3,
+            88.8,
+            1e-30,
+            -1e-30,
+        ]);
+        // vectors mixing common-range and special lanes, and all-common ones
+        xs.extend((0..64).map(|i| if i % 9 == 0 { -150.0 } else { -(i as f32) }));
+        xs.resize(xs.len().div_ceil(8) * 8, 0.5);
+        for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
+            for c in xs.chunks_exact(8) {
+                let mut v: [f32; 8] = c.try_into().unwrap();
+                v_expf8(&mut v, isa);
+                for (i, (&got, &x)) in v.iter().zip(c).enumerate() {
+                    let want = v_expf(x, isa);
+                    assert!(
+                        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                        "{isa:?} lane {i} x={x:e}: {got:e} vs {want:e}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
