@@ -184,15 +184,44 @@ impl Heads<'_> {
     }
 
     #[inline]
-    fn k(&self, p: usize) -> &[f32] {
-        let s = (p - self.seq.base) * self.kvd + self.off;
-        &self.seq.k[s..s + self.hd]
-    }
-    #[inline]
     fn v(&self, p: usize) -> &[f32] {
         let s = (p - self.seq.base) * self.kvd + self.off;
         &self.seq.v[s..s + self.hd]
     }
+}
+
+/// One KV head's rows read in place from the paged f16 cache (the one_chunk and split-KV kernels).
+struct Paged<'a> {
+    k: &'a [f16],
+    v: &'a [f16],
+    table: &'a [u32],
+    bs: usize,
+    kvd: usize,
+    off: usize,
+    hd: usize,
+}
+
+impl Paged<'_> {
+    #[inline]
+    fn slot(&self, p: usize) -> usize {
+        (self.table[p / self.bs] as usize * self.bs + p % self.bs) * self.kvd + self.off
+    }
+    #[inline]
+    fn k(&self, p: usize) -> &[f16] {
+        let s = self.slot(p);
+        &self.k[s..s + self.hd]
+    }
+    #[inline]
+    fn v(&self, p: usize) -> &[f16] {
+        let s = self.slot(p);
+        &self.v[s..s + self.hd]
+    }
+}
+
+/// What a unit reads: the widened copies (tiled path only) and the cache itself.
+struct KvView<'a> {
+    wide: Option<Heads<'a>>,
+    paged: Paged<'a>,
 }
 
 /// Causal attention of each query row (`q`: rows × n_head·head_dim, already rotated and, for
@@ -244,10 +273,11 @@ pub fn attention(
         }
     };
     let tiled = !invariant && path == Path::Tiled;
-    // Widen each sequence's keys and values once (queries of one sequence share a block table).
+    // The tiled kernel reads widened copies: each sequence's keys and values once (queries of one
+    // sequence share a block table). The other paths read the f16 cache in place.
     let mut seqs: Vec<(usize, SeqKv)> = Vec::new();
     let mut seq_of = Vec::with_capacity(queries.len());
-    for qa in queries {
+    for qa in queries.iter().filter(|_| tiled) {
         let id = qa.block_table.as_ptr() as usize;
         let idx = match seqs.iter().position(|(t, _)| *t == id) {
             Some(i) => i,
@@ -278,11 +308,23 @@ pub fn attention(
         for unit in range {
             let (i, h) = (unit / shape.n_head, unit % shape.n_head);
             let qa = &queries[i];
-            let heads = Heads {
-                seq: &seqs[seq_of[i]].1,
-                kvd,
-                off: (h / group) * hd,
-                hd,
+            let off = (h / group) * hd;
+            let view = KvView {
+                wide: tiled.then(|| Heads {
+                    seq: &seqs[seq_of[i]].1,
+                    kvd,
+                    off,
+                    hd,
+                }),
+                paged: Paged {
+                    k: &kv.k[layer],
+                    v: &kv.v[layer],
+                    table: qa.block_table,
+                    bs: kv.block_size,
+                    kvd,
+                    off,
+                    hd,
+                },
             };
             let qrow = &q.row(i)[h * hd..(h + 1) * hd];
             let unit = Unit {
@@ -292,7 +334,7 @@ pub fn attention(
                 scale: shape.scale,
                 isa,
             };
-            run_unit(&unit, qrow, &heads, &mut scratch, &mut res);
+            run_unit(&unit, qrow, &view, &mut scratch, &mut res);
             // SAFETY: i < out.rows and (h + 1) * hd <= out_cols; unit (i, h) is handled by exactly
             // one thread, so this slice is written once.
             let o =
@@ -313,7 +355,7 @@ struct Unit {
 
 /// Computes one unit into `res`, with hardware FMA where the CPU has it (the results are the same
 /// either way: `mul_add` is exactly rounded; without the feature it is a slow library call).
-fn run_unit(u: &Unit, q: &[f32], heads: &Heads<'_>, scratch: &mut Scratch, res: &mut [f32]) {
+fn run_unit(u: &Unit, q: &[f32], heads: &KvView<'_>, scratch: &mut Scratch, res: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has FMA (checked just above).
@@ -332,7 +374,7 @@ fn run_unit(u: &Unit, q: &[f32], heads: &Heads<'_>, scratch: &mut Scratch, res: 
 unsafe fn run_unit_fma(
     u: &Unit,
     q: &[f32],
-    heads: &Heads<'_>,
+    heads: &KvView<'_>,
     scratch: &mut Scratch,
     res: &mut [f32],
 ) {
@@ -340,10 +382,14 @@ unsafe fn run_unit_fma(
 }
 
 #[inline(always)]
-fn run_unit_impl(u: &Unit, q: &[f32], heads: &Heads<'_>, scratch: &mut Scratch, res: &mut [f32]) {
+fn run_unit_impl(u: &Unit, q: &[f32], view: &KvView<'_>, scratch: &mut Scratch, res: &mut [f32]) {
     let (lo, pos, scale, isa) = (u.lo, u.pos, u.scale, u.isa);
+    let heads = &view.paged;
     match u.path {
-        Path::Tiled => tiled(q, heads, lo, pos, scale, isa, scratch, res),
+        Path::Tiled => {
+            let wide = view.wide.as_ref().expect("widened rows for the tiled path");
+            tiled(q, wide, lo, pos, scale, isa, scratch, res)
+        }
         Path::OneChunk => {
             scratch.set_q16(q);
             let (_, s) = one_chunk(heads, lo, pos, scale, isa, scratch);
@@ -392,7 +438,7 @@ impl Scratch {
 /// `scratch.acc` and returns (max score, softmax denominator) — (-inf, 0) if nothing is visible.
 #[inline(always)]
 fn one_chunk(
-    heads: &Heads<'_>,
+    heads: &Paged<'_>,
     lo: usize,
     hi: usize,
     scale: f32,
@@ -436,7 +482,7 @@ fn scale_f16(y: &mut [f16], s: f32) {
 
 /// `ggml_vec_mad_f16`: `y = f16(fma(x, v, y))` per element (round to nearest even).
 #[inline(always)]
-fn mad_f16(y: &mut [f16], x: &[f32], v: f32) {
+fn mad_f16(y: &mut [f16], x: &[f16], v: f32) {
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar {
         // SAFETY: a non-scalar level means AVX2, FMA and F16C were detected.
@@ -444,7 +490,7 @@ fn mad_f16(y: &mut [f16], x: &[f32], v: f32) {
         return;
     }
     for (a, &xv) in y.iter_mut().zip(x) {
-        *a = f16::from_f32(xv.mul_add(v, a.to_f32()));
+        *a = f16::from_f32(xv.to_f32().mul_add(v, a.to_f32()));
     }
 }
 
@@ -475,19 +521,72 @@ mod f16c {
     /// # Safety
     /// AVX2, FMA and F16C are available; `x.len() >= y.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn mad(y: &mut [f16], x: &[f32], v: f32) {
+    pub(super) unsafe fn mad(y: &mut [f16], x: &[f16], v: f32) {
         assert!(x.len() >= y.len());
         let n8 = y.len() - y.len() % 8;
         let vv = _mm256_set1_ps(v);
         for i in (0..n8).step_by(8) {
             let p = y.as_mut_ptr().add(i).cast::<__m128i>();
             let a = _mm256_cvtph_ps(_mm_loadu_si128(p));
-            let r = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(i)), vv, a);
+            let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i).cast()));
+            let r = _mm256_fmadd_ps(xv, vv, a);
             _mm_storeu_si128(p, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
         }
         for (a, &xv) in y[n8..].iter_mut().zip(&x[n8..]) {
-            *a = f16::from_f32(xv.mul_add(v, a.to_f32()));
+            *a = f16::from_f32(xv.to_f32().mul_add(v, a.to_f32()));
         }
+    }
+
+    /// [`super::dot_f16`] with the second row in f16, widened eight lanes at a time (exact): the
+    /// same FMA chains, folds and reductions.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available; `y.len() >= x.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot(x: &[f32], y: &[f16], isa: super::GgmlIsa) -> f32 {
+        let n = x.len();
+        assert!(y.len() >= n);
+        let lx = |i: usize| _mm256_loadu_ps(x.as_ptr().add(i));
+        let ly = |i: usize| _mm256_cvtph_ps(_mm_loadu_si128(y.as_ptr().add(i).cast()));
+        let fold =
+            |a: &[__m256; 4]| _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+        let (np, mut sum) = match isa {
+            super::GgmlIsa::Avx2 => {
+                let np = n - n % 32;
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for i in (0..np).step_by(32) {
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(lx(i + 8 * j), ly(i + 8 * j), *a);
+                    }
+                }
+                let s = fold(&acc);
+                let t0 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+                let t: [f32; 4] = std::mem::transmute(t0);
+                (np, ((t[0] + t[1]) + (t[2] + t[3])) as f64)
+            }
+            super::GgmlIsa::Avx512 => {
+                // 16-lane accumulators as (low, high) halves
+                let np = n - n % 64;
+                let mut lo = [_mm256_setzero_ps(); 4];
+                let mut hi = [_mm256_setzero_ps(); 4];
+                for i in (0..np).step_by(64) {
+                    for j in 0..4 {
+                        let b = i + 16 * j;
+                        lo[j] = _mm256_fmadd_ps(lx(b), ly(b), lo[j]);
+                        hi[j] = _mm256_fmadd_ps(lx(b + 8), ly(b + 8), hi[j]);
+                    }
+                }
+                // reduce16: t3 = high + low halves, t6 = folded again, (t6[0]+t6[2]) + (t6[1]+t6[3])
+                let t3 = _mm256_add_ps(fold(&hi), fold(&lo));
+                let t6 = _mm_add_ps(_mm256_extractf128_ps::<1>(t3), _mm256_castps256_ps128(t3));
+                let t: [f32; 4] = std::mem::transmute(t6);
+                (np, ((t[0] + t[2]) + (t[1] + t[3])) as f64)
+            }
+        };
+        for i in np..n {
+            sum += (x[i] * y[i].to_f32()) as f64;
+        }
+        sum as f32
     }
 }
 
@@ -496,7 +595,7 @@ mod f16c {
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn split_kv(
-    heads: &Heads<'_>,
+    heads: &Paged<'_>,
     lo: usize,
     pos: usize,
     scale: f32,
@@ -735,7 +834,21 @@ fn reduce16(x: &[f32; 16]) -> f32 {
 /// accumulator per vector (8 lanes on AVX2, 16 on AVX-512), accumulators folded pairwise, lanes
 /// reduced as that build does; a tail past the last whole step is added in f64, in order.
 #[inline(always)]
-fn dot_f16(x: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
+fn dot_f16(x: &[f32], y: &[f16], isa: GgmlIsa) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar {
+        // SAFETY: a non-scalar level means AVX2, FMA and F16C were detected; `y` is a cache row
+        // as long as the query row `x`.
+        return unsafe { f16c::dot(x, y, isa) };
+    }
+    let y: Vec<f32> = y.iter().map(|v| v.to_f32()).collect();
+    dot_f16_wide(x, &y, isa)
+}
+
+/// [`dot_f16`] of two rows given widened to f32 (the scalar form, and the twin the tests hold the
+/// F16C kernel to).
+#[inline(always)]
+fn dot_f16_wide(x: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
     let n = x.len();
     match isa {
         GgmlIsa::Avx2 => {
@@ -806,8 +919,26 @@ mod tests {
         let x: Vec<f32> = (0..70).map(|i| (i % 7) as f32 - 3.0).collect();
         let y: Vec<f32> = (0..70).map(|i| (i % 5) as f32 - 2.0).collect();
         let want: f32 = x.iter().zip(&y).map(|(a, b)| a * b).sum();
-        assert_eq!(dot_f16(&x, &y, GgmlIsa::Avx2), want);
-        assert_eq!(dot_f16(&x, &y, GgmlIsa::Avx512), want);
+        assert_eq!(dot_f16_wide(&x, &y, GgmlIsa::Avx2), want);
+        assert_eq!(dot_f16_wide(&x, &y, GgmlIsa::Avx512), want);
+    }
+
+    #[test]
+    fn dot_f16_on_cache_rows_equals_widened_twin() {
+        let xs = crate::kernels::cpu::test_floats(300, 5);
+        let ys: Vec<f16> = crate::kernels::cpu::test_floats(300, 9)
+            .iter()
+            .map(|&v| f16::from_f32(v * 3.0))
+            .collect();
+        for n in [128, 256, 70, 300, 8] {
+            // q rounded to f16 as the kernel sees it
+            let x: Vec<f32> = xs[..n].iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+            let yw: Vec<f32> = ys[..n].iter().map(|v| v.to_f32()).collect();
+            for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
+                let (got, want) = (dot_f16(&x, &ys[..n], isa), dot_f16_wide(&x, &yw, isa));
+                assert_eq!(got.to_bits(), want.to_bits(), "{isa:?} n={n}: {got} {want}");
+            }
+        }
     }
 
     #[test]
