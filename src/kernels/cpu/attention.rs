@@ -659,8 +659,8 @@ fn tiled(
         let (g_lo, g_hi) = (a / 8, b / 8);
         let mut g = g_lo;
         while g <= g_hi {
-            let k = (g_hi + 1 - g).min(4);
-            let mut acc = [[0f32; 8]; 4];
+            let k = (g_hi + 1 - g).min(8);
+            let mut acc = [[0f32; 8]; 8];
             scores8xk(q, heads, g, k, &mut acc);
             for (i, row) in acc[..k].iter().enumerate() {
                 for (j, &sc) in row.iter().enumerate() {
@@ -745,20 +745,26 @@ unsafe fn accumulate_v_avx2(heads: &Heads<'_>, a: usize, b: usize, pr: &[f32], a
     }
 }
 
-/// The scores of the `k` (1..=4) groups of eight keys from group `g` on: `acc[i][j] = Σ_d
+/// The scores of the `k` (1..=8) groups of eight keys from group `g` on: `acc[i][j] = Σ_d
 /// key[8(g + i) + j][d] · q[d]`, each one FMA chain in `d` order (`acc = fma(k, q, acc)`), read
 /// from the transposed keys.
 #[inline(always)]
-fn scores8xk(q: &[f32], heads: &Heads<'_>, g: usize, k: usize, acc: &mut [[f32; 8]; 4]) {
-    let kts: [&[f32]; 4] = std::array::from_fn(|i| heads.kt(g + i.min(k - 1)));
+fn scores8xk(q: &[f32], heads: &Heads<'_>, g: usize, k: usize, acc: &mut [[f32; 8]; 8]) {
+    let kts: [&[f32]; 8] = std::array::from_fn(|i| heads.kt(g + i.min(k - 1)));
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar {
         // SAFETY: a non-scalar level means AVX2 and FMA were detected; each `kt` slice holds
         // 8 values per element of `q` (`Heads::kt`).
-        unsafe { scores_avx2(q, &kts, acc) };
+        unsafe {
+            if k > 4 {
+                scores_avx2::<8>(q, &kts, acc)
+            } else {
+                scores_avx2::<4>(q, &kts, acc)
+            }
+        };
         return;
     }
-    for (kt, a) in kts.iter().zip(acc.iter_mut()) {
+    for (kt, a) in kts.iter().zip(acc.iter_mut()).take(k) {
         for (d, &x) in q.iter().enumerate() {
             for j in 0..8 {
                 a[j] = kt[8 * d + j].mul_add(x, a[j]);
@@ -767,25 +773,25 @@ fn scores8xk(q: &[f32], heads: &Heads<'_>, g: usize, k: usize, acc: &mut [[f32; 
     }
 }
 
-/// [`scores8xk`] with AVX2 for all four groups at once (independent chains; lane `j` of vector
-/// `i` is key `8(g + i) + j`).
+/// [`scores8xk`] with AVX2 for `N` groups at once (independent chains, enough of them to cover the
+/// FMA latency; lane `j` of vector `i` is key `8(g + i) + j`).
 ///
 /// # Safety
-/// AVX2 and FMA are available; every `kt[i].len() >= 8 * q.len()`.
+/// AVX2 and FMA are available; every `kt[i].len() >= 8 * q.len()` for `i < N`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn scores_avx2(q: &[f32], kt: &[&[f32]; 4], acc: &mut [[f32; 8]; 4]) {
+unsafe fn scores_avx2<const N: usize>(q: &[f32], kt: &[&[f32]; 8], acc: &mut [[f32; 8]; 8]) {
     use std::arch::x86_64::*;
     let n = q.len();
-    assert!(kt.iter().all(|k| k.len() >= 8 * n));
-    let mut c = [_mm256_setzero_ps(); 4];
+    assert!(N <= 8 && kt[..N].iter().all(|k| k.len() >= 8 * n));
+    let mut c = [_mm256_setzero_ps(); N];
     for (d, &x) in q.iter().enumerate() {
         let xv = _mm256_set1_ps(x);
-        for i in 0..4 {
+        for i in 0..N {
             c[i] = _mm256_fmadd_ps(_mm256_loadu_ps(kt[i].as_ptr().add(8 * d)), xv, c[i]);
         }
     }
-    for i in 0..4 {
+    for i in 0..N {
         _mm256_storeu_ps(acc[i].as_mut_ptr(), c[i]);
     }
 }
