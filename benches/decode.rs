@@ -5,7 +5,8 @@
 //! weight matrix of one decode step multiplied by a one-row activation in model order (the matmuls
 //! alone, per weight type), and a whole decode step at a short context. It prints the best of the repetitions
 //! (the machine is shared: noise only ever adds time, so the best is the steadiest figure), the
-//! matmuls' GB/s against the bandwidth, and the share of the step that is not matmul.
+//! matmuls' GB/s against the bandwidth, the share of the step that is not matmul, and what a
+//! row-invariant forward over k tokens (a speculative verify) costs in decode steps.
 //!
 //! Run: `cargo bench --bench decode [-- MODEL.gguf [THREADS]]`.
 
@@ -132,6 +133,28 @@ fn main() {
         100.0 * (step - mm).max(0.0) / step,
         bw / 1e9 / gb(total_bytes)
     );
+    verify_costs(&mut runner, &mut seq, step);
+}
+
+/// What a speculative verify costs: one forward over k new tokens with row-invariant numerics (as
+/// `--lookup` verifies), against one decode step, best of the repetitions.
+fn verify_costs(runner: &mut Runner<CpuBackend>, seq: &mut Sequence, step: f64) {
+    runner.model.backend.set_row_invariant(true);
+    let mut line = String::from("verify forward (row-invariant), cost in decode steps:");
+    for k in [2usize, 4, 8] {
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let len = seq.tokens.len();
+            seq.tokens.extend((0..k as u32).map(|i| 7 + i));
+            let t = Instant::now();
+            runner.compute_all(seq).expect("verify forward");
+            best = best.min(t.elapsed().as_secs_f64());
+            runner.truncate(seq, len);
+        }
+        line += &format!("  k={k}: {:.2}", best / step);
+    }
+    runner.model.backend.set_row_invariant(false);
+    println!("{line}");
 }
 
 /// Times every matmul of one step (1-row activations) in model order, then each weight type's

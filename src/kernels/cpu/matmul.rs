@@ -39,8 +39,9 @@ pub fn supported(ty: GgmlType) -> bool {
     )
 }
 
-/// Activation rows per tile call (the kernels take up to four rows at once).
-const TILE: usize = 4;
+/// Activation rows per tile call (the kernels take up to eight rows at once, Q6_K all eight in one
+/// pass over the weights, the others in runs of at most four).
+const TILE: usize = 8;
 
 /// out (n × rows) = x (n × cols) · Wᵀ. With `invariant`, every row is computed as a one-row call
 /// would compute it (no GEMM flavours), so results do not depend on `n`.
@@ -276,7 +277,7 @@ fn q6k_tiled(n: usize, w: &[u8], acts: &[u8], stride: usize, m: usize, out: &mut
         "weight row length"
     );
     assert!(m == 0 || acts.len() >= (m - 1) * stride + nb * BlockQ8K::BYTES);
-    assert!(m <= 4 && out.len() >= m, "at most four rows per call");
+    assert!(m <= TILE && out.len() >= m, "at most TILE rows per call");
     for (j, o) in out[..m].iter_mut().enumerate() {
         #[cfg(target_arch = "x86_64")]
         if simd::current() != simd::Level::Scalar {

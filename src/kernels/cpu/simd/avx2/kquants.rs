@@ -40,7 +40,7 @@ entries!(
     A_BYTES,
     4
 );
-entries!(q6k_dot, q6k_tile, q6k_rows, QK, BlockQ6K::BYTES, A_BYTES, 4);
+entries!(q6k_dot, q6k_tile, q6k_rows, QK, BlockQ6K::BYTES, A_BYTES, 8);
 entries!(q5k_dot, q5k_tile, q5k_rows, QK, BlockQ5K::BYTES, A_BYTES, 4);
 entries!(q3k_dot, q3k_tile, q3k_rows, QK, BlockQ3K::BYTES, A_BYTES, 4);
 entries!(q2k_dot, q2k_tile, q2k_rows, QK, BlockQ2K::BYTES, A_BYTES, 4);

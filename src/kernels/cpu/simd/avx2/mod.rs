@@ -93,9 +93,9 @@ fn blocks(n: usize, elems: usize, w_len: usize, w_bytes: usize) -> usize {
 
 /// Defines the safe entry points `$dot` ([`super::DotFn`]) and `$tile` ([`super::DotTileFn`]) of a
 /// kernel `$rows::<M>(nb, w, a, stride, out)`, for `$elems`-element blocks of `$wb` weight bytes
-/// and `$ab` activation bytes; `$max` (1..=4) is the most rows one `rows` call takes.
+/// and `$ab` activation bytes; `$max` (2, 4 or 8) is the most rows one `rows` call takes.
 macro_rules! entries {
-    ($dot:ident, $tile:ident, $rows:ident, $elems:expr, $wb:expr, $ab:expr, $max:literal) => {
+    ($dot:ident, $tile:ident, $rows:ident, $elems:expr, $wb:expr, $ab:expr, $max:tt) => {
         pub(super) fn $dot(n: usize, w: &[u8], a: &[u8]) -> f32 {
             let nb = super::blocks(n, $elems, w.len(), $wb);
             assert_eq!(
@@ -130,12 +130,7 @@ macro_rules! entries {
                 // has at least `m` slots (both checked by `check_tile`).
                 unsafe {
                     let (a, o) = (a.add(j * stride), o.add(j));
-                    match k {
-                        1 => $rows::<1>(nb, w, a, stride, o),
-                        2 => $rows::<2>(nb, w, a, stride, o),
-                        3 => $rows::<3>(nb, w, a, stride, o),
-                        _ => $rows::<$max>(nb, w, a, stride, o),
-                    }
+                    super::rows_dispatch!($rows, $max, k, nb, w, a, stride, o);
                 }
                 j += k;
             }
@@ -143,6 +138,37 @@ macro_rules! entries {
     };
 }
 use entries;
+
+/// `$rows::<k>(..)` for a run-time `k` in `1..=$max` (`$max` 2, 4 or 8).
+macro_rules! rows_dispatch {
+    ($rows:ident, 2, $k:expr, $($arg:expr),*) => {
+        match $k {
+            1 => $rows::<1>($($arg),*),
+            _ => $rows::<2>($($arg),*),
+        }
+    };
+    ($rows:ident, 4, $k:expr, $($arg:expr),*) => {
+        match $k {
+            1 => $rows::<1>($($arg),*),
+            2 => $rows::<2>($($arg),*),
+            3 => $rows::<3>($($arg),*),
+            _ => $rows::<4>($($arg),*),
+        }
+    };
+    ($rows:ident, 8, $k:expr, $($arg:expr),*) => {
+        match $k {
+            1 => $rows::<1>($($arg),*),
+            2 => $rows::<2>($($arg),*),
+            3 => $rows::<3>($($arg),*),
+            4 => $rows::<4>($($arg),*),
+            5 => $rows::<5>($($arg),*),
+            6 => $rows::<6>($($arg),*),
+            7 => $rows::<7>($($arg),*),
+            _ => $rows::<8>($($arg),*),
+        }
+    };
+}
+use rows_dispatch;
 
 /// Defines the safe entry point `$name` ([`super::DotRowsFn`]) from a four-row decode kernel
 /// `$wrows4(nb, w, row_bytes, a, out)` and, for a last group of fewer than four rows, the one-row
