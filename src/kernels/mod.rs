@@ -1,2 +1,3 @@
-//! Compute kernels: the CPU thread pool and SIMD dot products.
+//! Compute kernels: the CPU thread pool and SIMD dot products, and the CUDA backend.
 pub mod cpu;
+pub mod cuda;

@@ -1,0 +1,135 @@
+// Attention over the paged f16 KV cache, flash-decoding style: each query's visible keys
+// (positions lo..=pos) are cut into splits of ATTN_SPLIT keys; `attn_split` computes, for one
+// (query, KV head, split), the unnormalised softmax-weighted sum of V for every query head that
+// shares the KV head (GQA: K and V are read once per group, not once per head), with the split's
+// max score m and sum of exp l; `attn_merge` combines a query head's splits. A batch of prefill
+// rows is the same call with one query per row (each row has its own pos), so causal masking is
+// just the key range. Layouts: q rows of n_head * head_dim; cache slot s of a layer holds kv_dim
+// values at s * kv_dim, head h at h * head_dim; slot = table[key / bs] * bs + key % bs; meta[i] =
+// {offset of query i's block table in `tables`, pos, lo}; partials: (n_q, n_head, n_split) records
+// of head_dim values then m, l.
+#include "common.cuh"
+
+#define ATTN_SPLIT 128  // keys per split
+#define ATTN_MAX_G 16   // query heads per KV head
+#define ATTN_MAX_HD 256 // head_dim
+#define ATTN_THREADS 128
+
+/// grid (n_q, n_head_kv, n_split), block (128).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+    attn_split(const float* __restrict__ q, const __half* __restrict__ kc,
+               const __half* __restrict__ vc, const int* __restrict__ tables,
+               const int* __restrict__ meta, float* __restrict__ part, int n_head, int n_head_kv,
+               int head_dim, int block_size, int kv_dim, float scale, int n_split) {
+  __shared__ float qs[ATTN_MAX_G * ATTN_MAX_HD];
+  __shared__ float sc[ATTN_MAX_G * ATTN_SPLIT];
+  __shared__ int slot[ATTN_SPLIT];
+  __shared__ float ml[ATTN_MAX_G * 2];
+  const int qi = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  const int G = n_head / n_head_kv, hd = head_dim;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = ATTN_THREADS / 32;
+  const int* table = tables + meta[3 * qi];
+  const int pos = meta[3 * qi + 1], lo = meta[3 * qi + 2];
+  const int start = lo + split * ATTN_SPLIT;
+  const int n = max(0, min(ATTN_SPLIT, pos + 1 - start));  // keys in this split (may be 0)
+
+  for (int i = threadIdx.x; i < G * hd; i += ATTN_THREADS)
+    qs[i] = q[(size_t)qi * n_head * hd + (size_t)kvh * G * hd + i];
+  for (int j = threadIdx.x; j < n; j += ATTN_THREADS) {
+    const int key = start + j;
+    slot[j] = table[key / block_size] * block_size + key % block_size;
+  }
+  __syncthreads();
+
+  // scores: warp w takes keys w, w + 4, ...; lane holds K elements lane, lane + 32, ...
+  for (int j = warp; j < n; j += nwarps) {
+    const __half* k = kc + (size_t)slot[j] * kv_dim + (size_t)kvh * hd;
+    float kr[ATTN_MAX_HD / 32];
+#pragma unroll
+    for (int e = 0; e < ATTN_MAX_HD / 32; e++) {
+      const int d = lane + 32 * e;
+      kr[e] = d < hd ? __half2float(k[d]) : 0.0f;
+    }
+    for (int g = 0; g < G; g++) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int e = 0; e < ATTN_MAX_HD / 32; e++) {
+        const int d = lane + 32 * e;
+        if (d < hd) dot += qs[g * hd + d] * kr[e];
+      }
+      dot = warp_sum(dot);
+      if (lane == 0) sc[g * ATTN_SPLIT + j] = dot * scale;
+    }
+  }
+  __syncthreads();
+
+  // softmax pieces: warp w takes heads w, w + 4, ...
+  for (int g = warp; g < G; g += nwarps) {
+    float m = NEG_INF;
+    for (int j = lane; j < n; j += 32) m = fmaxf(m, sc[g * ATTN_SPLIT + j]);
+    m = warp_max(m);
+    float l = 0.0f;
+    for (int j = lane; j < n; j += 32) {
+      const float p = expf(sc[g * ATTN_SPLIT + j] - m);
+      sc[g * ATTN_SPLIT + j] = p;
+      l += p;
+    }
+    l = warp_sum(l);
+    if (lane == 0) {
+      ml[2 * g] = m;
+      ml[2 * g + 1] = l;
+    }
+  }
+  __syncthreads();
+
+  // weighted V: thread d accumulates every head of the group at once
+  for (int d = threadIdx.x; d < hd; d += ATTN_THREADS) {
+    float acc[ATTN_MAX_G];
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_G; g++) acc[g] = 0.0f;
+    for (int j = 0; j < n; j++) {
+      const float v = __half2float(vc[(size_t)slot[j] * kv_dim + (size_t)kvh * hd + d]);
+#pragma unroll
+      for (int g = 0; g < ATTN_MAX_G; g++)
+        if (g < G) acc[g] += sc[g * ATTN_SPLIT + j] * v;
+    }
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_G; g++) {
+      if (g < G) {
+        const int h = kvh * G + g;
+        part[(((size_t)qi * n_head + h) * n_split + split) * (hd + 2) + d] = acc[g];
+      }
+    }
+  }
+  if ((int)threadIdx.x < G) {
+    const int g = threadIdx.x, h = kvh * G + g;
+    float* rec = part + (((size_t)qi * n_head + h) * n_split + split) * (hd + 2);
+    rec[hd] = n > 0 ? ml[2 * g] : NEG_INF;
+    rec[hd + 1] = n > 0 ? ml[2 * g + 1] : 0.0f;
+  }
+}
+EMU_EXPORT(attn_split)
+
+/// out[qi][h] = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k. grid (n_q, n_head), block (128).
+extern "C" __global__ void __launch_bounds__(128)
+    attn_merge(const float* __restrict__ part, float* __restrict__ out, int n_head, int head_dim,
+               int n_split) {
+  const int qi = blockIdx.x, h = blockIdx.y, hd = head_dim;
+  const float* rec = part + ((size_t)qi * n_head + h) * n_split * (hd + 2);
+  float M = NEG_INF;
+  for (int k = 0; k < n_split; k++) M = fmaxf(M, rec[k * (hd + 2) + hd]);
+  float L = 0.0f;
+  for (int k = 0; k < n_split; k++) {
+    const float m = rec[k * (hd + 2) + hd];
+    if (m != NEG_INF) L += expf(m - M) * rec[k * (hd + 2) + hd + 1];
+  }
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int k = 0; k < n_split; k++) {
+      const float m = rec[k * (hd + 2) + hd];
+      if (m != NEG_INF) acc += expf(m - M) * rec[k * (hd + 2) + d];
+    }
+    out[((size_t)qi * n_head + h) * hd + d] = L > 0.0f ? acc / L : 0.0f;
+  }
+}
+EMU_EXPORT(attn_merge)

@@ -1,0 +1,263 @@
+// Decode-path matmul straight from the quantized weights: activations are quantized once to q8_1
+// (`quantize_q8_1`), then one warp per output row walks the row's 32-value sub-blocks (lane i takes
+// sub-blocks i, i+32, ...: neighbouring lanes read neighbouring bytes), unpacks each sub-block's
+// quants to signed bytes once and takes `dp4a` dot products with up to 8 activation rows (tokens)
+// at a time, so a prefill of n tokens reads the weights n/8 times. Also the row dequantizers used
+// for embedding lookups. Launch: block (128) = 4 warps = 4 output rows; grid (ceil(rows/4),
+// ceil(tokens/8)). Every weight row starts at a multiple of its block size (2-byte aligned).
+#include "common.cuh"
+
+/// One 32-value sub-block unpacked: value k = (k < 16 ? s0 : s1) * q_k - mn, with q_k the k-th
+/// signed byte of q (little-endian within each int).
+struct Sub {
+  int q[8];
+  float s0, s1, mn;
+};
+
+/// Bytes b in [0, 127] minus `off` in [0, 32], per byte, without borrows between bytes.
+__device__ __forceinline__ int sub_bytes(int v, int off) {
+  return (int)((((uint32_t)v | 0x80808080u) - (uint32_t)off * 0x01010101u) ^ 0x80808080u);
+}
+
+struct Q4_0 {
+  static constexpr int ELEMS = 32, BYTES = Q4_0_BYTES, SUB = 1;
+  __device__ __forceinline__ static void load(const uint8_t* b, int, Sub& s) {
+    float d = load_half(b);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      int v = load_i32_a2(b + 2 + 4 * i);
+      s.q[i] = sub_bytes(v & 0x0F0F0F0F, 8);
+      s.q[i + 4] = sub_bytes((v >> 4) & 0x0F0F0F0F, 8);
+    }
+    s.s0 = s.s1 = d;
+    s.mn = 0.0f;
+  }
+};
+
+struct Q5_0 {
+  static constexpr int ELEMS = 32, BYTES = Q5_0_BYTES, SUB = 1;
+  __device__ __forceinline__ static void load(const uint8_t* b, int, Sub& s) {
+    float d = load_half(b);
+    uint32_t qh = (uint32_t)load_i32_a2(b + 2);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      int v = load_i32_a2(b + 6 + 4 * i);
+      int lo = 0, hi = 0;
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        lo |= (int)(((qh >> (4 * i + k)) & 1u) << (8 * k + 4));
+        hi |= (int)(((qh >> (16 + 4 * i + k)) & 1u) << (8 * k + 4));
+      }
+      s.q[i] = sub_bytes((v & 0x0F0F0F0F) | lo, 16);
+      s.q[i + 4] = sub_bytes(((v >> 4) & 0x0F0F0F0F) | hi, 16);
+    }
+    s.s0 = s.s1 = d;
+    s.mn = 0.0f;
+  }
+};
+
+struct Q8_0 {
+  static constexpr int ELEMS = 32, BYTES = Q8_0_BYTES, SUB = 1;
+  __device__ __forceinline__ static void load(const uint8_t* b, int, Sub& s) {
+    float d = load_half(b);
+#pragma unroll
+    for (int i = 0; i < 8; i++) s.q[i] = load_i32_a2(b + 2 + 4 * i);
+    s.s0 = s.s1 = d;
+    s.mn = 0.0f;
+  }
+};
+
+struct Q4_K {
+  static constexpr int ELEMS = QK_K, BYTES = Q4_K_BYTES, SUB = 8;
+  __device__ __forceinline__ static void load(const uint8_t* b, int sub, Sub& s) {
+    float d = load_half(b), dmin = load_half(b + 2);
+    int sc, m;
+    scale_min_k4(sub, b + 4, &sc, &m);
+    const uint8_t* qs = b + 16 + 32 * (sub / 2);
+    int shift = (sub & 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s.q[i] = (load_i32_a2(qs + 4 * i) >> shift) & 0x0F0F0F0F;
+    s.s0 = s.s1 = d * (float)sc;
+    s.mn = dmin * (float)m;
+  }
+};
+
+struct Q6_K {
+  static constexpr int ELEMS = QK_K, BYTES = Q6_K_BYTES, SUB = 8;
+  __device__ __forceinline__ static void load(const uint8_t* b, int sub, Sub& s) {
+    int n = sub / 4, t = sub % 4;
+    const uint8_t* ql = b + 64 * n + (t & 1) * 32;
+    const uint8_t* qh = b + 128 + 32 * n;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * n + 2 * t;
+    int lshift = (t >> 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      int lo = (load_i32_a2(ql + 4 * i) >> lshift) & 0x0F0F0F0F;
+      int hi = ((load_i32_a2(qh + 4 * i) >> (2 * t)) & 0x03030303) << 4;
+      s.q[i] = sub_bytes(lo | hi, 32);
+    }
+    float d = load_half(b + 208);
+    s.s0 = d * (float)sc[0];
+    s.s1 = d * (float)sc[1];
+    s.mn = 0.0f;
+  }
+};
+
+#define GEMV_ROWS 4   // output rows per block (one warp each)
+#define GEMV_TOKENS 8 // activation rows per block
+
+template <typename T>
+__device__ __forceinline__ void gemv_q(const uint8_t* __restrict__ w, const uint8_t* __restrict__ xq,
+                                       float* __restrict__ out, int rows, int cols, int ntok) {
+  const int lane = threadIdx.x % 32, row = blockIdx.x * GEMV_ROWS + threadIdx.x / 32;
+  if (row >= rows) return;  // a whole warp leaves together; no block-wide barrier follows
+  const int t0 = blockIdx.y * GEMV_TOKENS;
+  const int nt = min(GEMV_TOKENS, ntok - t0);
+  const int nsub = cols / 32;
+  const uint8_t* wrow = w + (size_t)row * (cols / T::ELEMS) * T::BYTES;
+  float acc[GEMV_TOKENS];
+#pragma unroll
+  for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = 0.0f;
+  for (int s = lane; s < nsub; s += 32) {
+    Sub u;
+    T::load(wrow + (s / T::SUB) * T::BYTES, s % T::SUB, u);
+#pragma unroll
+    for (int t = 0; t < GEMV_TOKENS; t++) {
+      if (t < nt) {
+        const uint8_t* xb = xq + ((size_t)(t0 + t) * nsub + s) * Q8_1_BYTES;
+        int s0 = 0, s1 = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) s0 = dp4a_s8(u.q[i], load_i32_a4(xb + 4 + 4 * i), s0);
+#pragma unroll
+        for (int i = 4; i < 8; i++) s1 = dp4a_s8(u.q[i], load_i32_a4(xb + 4 + 4 * i), s1);
+        acc[t] += load_half(xb) * (u.s0 * (float)s0 + u.s1 * (float)s1) - u.mn * load_half(xb + 2);
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < GEMV_TOKENS; t++) {
+    float v = warp_sum(acc[t]);
+    if (lane == 0 && t < nt) out[(size_t)(t0 + t) * rows + row] = v;
+  }
+}
+
+/// out[t][r] for weights stored as f16 (`half`) or f32, with f32 activations (no quantization).
+template <typename W>
+__device__ __forceinline__ void gemv_float(const W* __restrict__ w, const float* __restrict__ x,
+                                           float* __restrict__ out, int rows, int cols, int ntok) {
+  const int lane = threadIdx.x % 32, row = blockIdx.x * GEMV_ROWS + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int t0 = blockIdx.y * GEMV_TOKENS;
+  const int nt = min(GEMV_TOKENS, ntok - t0);
+  const W* wrow = w + (size_t)row * cols;
+  float acc[GEMV_TOKENS];
+#pragma unroll
+  for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = 0.0f;
+  for (int c = lane; c < cols; c += 32) {
+    float wv = to_float(wrow[c]);
+#pragma unroll
+    for (int t = 0; t < GEMV_TOKENS; t++)
+      if (t < nt) acc[t] += wv * x[(size_t)(t0 + t) * cols + c];
+  }
+#pragma unroll
+  for (int t = 0; t < GEMV_TOKENS; t++) {
+    float v = warp_sum(acc[t]);
+    if (lane == 0 && t < nt) out[(size_t)(t0 + t) * rows + row] = v;
+  }
+}
+
+#define GEMV_Q(T, name)                                                                            \
+  extern "C" __global__ void __launch_bounds__(128) name(const uint8_t* w, const uint8_t* xq,     \
+                                                         float* out, int rows, int cols, int nt) { \
+    gemv_q<T>(w, xq, out, rows, cols, nt);                                                         \
+  }                                                                                                \
+  EMU_EXPORT(name)
+GEMV_Q(Q4_0, gemv_q4_0)
+GEMV_Q(Q5_0, gemv_q5_0)
+GEMV_Q(Q8_0, gemv_q8_0)
+GEMV_Q(Q4_K, gemv_q4_k)
+GEMV_Q(Q6_K, gemv_q6_k)
+
+extern "C" __global__ void __launch_bounds__(128)
+    gemv_f16(const __half* w, const float* x, float* out, int rows, int cols, int nt) {
+  gemv_float<__half>(w, x, out, rows, cols, nt);
+}
+EMU_EXPORT(gemv_f16)
+
+extern "C" __global__ void __launch_bounds__(128)
+    gemv_f32(const float* w, const float* x, float* out, int rows, int cols, int nt) {
+  gemv_float<float>(w, x, out, rows, cols, nt);
+}
+EMU_EXPORT(gemv_f32)
+
+/// q8_1 activations: one warp per 32-value block (x is rows × cols with cols % 32 == 0, so the
+/// blocks are contiguous). Same arithmetic as ggml's quantize_row_q8_1_ref: d = amax / 127,
+/// q = roundf(x / d), s = d * sum(q). Block (128), grid (ceil(n_blocks / 4)).
+extern "C" __global__ void __launch_bounds__(128)
+    quantize_q8_1(const float* __restrict__ x, uint8_t* __restrict__ out, int n_blocks) {
+  const int lane = threadIdx.x % 32, b = blockIdx.x * 4 + threadIdx.x / 32;
+  if (b >= n_blocks) return;
+  float v = x[(size_t)b * 32 + lane];
+  float amax = warp_max(fabsf(v));
+  float d = amax / 127.0f;
+  float id = d != 0.0f ? 1.0f / d : 0.0f;
+  int q = (int)roundf(v * id);
+  float sum = warp_sum((float)q);  // exact: |sum| <= 32 * 127
+  uint8_t* ob = out + (size_t)b * Q8_1_BYTES;
+  reinterpret_cast<int8_t*>(ob + 4)[lane] = (int8_t)q;
+  if (lane == 0) {
+    reinterpret_cast<__half*>(ob)[0] = __float2half_rn(d);
+    reinterpret_cast<__half*>(ob)[1] = __float2half_rn(sum * d);
+  }
+}
+EMU_EXPORT(quantize_q8_1)
+
+/// Embedding lookup: out[i] = dequant(w row ids[i]) * scale. Block (256): thread j dequantizes
+/// sub-blocks j, j+256, ... of the row; grid (n_ids).
+template <typename T>
+__device__ __forceinline__ void get_rows_q(const uint8_t* w, const int* ids, float* out, int cols,
+                                           float scale) {
+  const uint8_t* wrow = w + (size_t)ids[blockIdx.x] * (cols / T::ELEMS) * T::BYTES;
+  float* o = out + (size_t)blockIdx.x * cols;
+  for (int s = threadIdx.x; s < cols / 32; s += blockDim.x) {
+    Sub u;
+    T::load(wrow + (s / T::SUB) * T::BYTES, s % T::SUB, u);
+#pragma unroll
+    for (int k = 0; k < 32; k++) {
+      int q = (int)(int8_t)((u.q[k / 4] >> (8 * (k % 4))) & 0xff);
+      o[s * 32 + k] = ((k < 16 ? u.s0 : u.s1) * (float)q - u.mn) * scale;
+    }
+  }
+}
+
+#define GET_ROWS_Q(T, name)                                                                       \
+  extern "C" __global__ void name(const uint8_t* w, const int* ids, float* out, int cols,         \
+                                  float scale) {                                                  \
+    get_rows_q<T>(w, ids, out, cols, scale);                                                      \
+  }                                                                                               \
+  EMU_EXPORT(name)
+GET_ROWS_Q(Q4_0, get_rows_q4_0)
+GET_ROWS_Q(Q5_0, get_rows_q5_0)
+GET_ROWS_Q(Q8_0, get_rows_q8_0)
+GET_ROWS_Q(Q4_K, get_rows_q4_k)
+GET_ROWS_Q(Q6_K, get_rows_q6_k)
+
+template <typename W>
+__device__ __forceinline__ void get_rows_float(const W* w, const int* ids, float* out, int cols,
+                                               float scale) {
+  const W* wrow = w + (size_t)ids[blockIdx.x] * cols;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x)
+    out[(size_t)blockIdx.x * cols + c] = to_float(wrow[c]) * scale;
+}
+
+extern "C" __global__ void get_rows_f16(const __half* w, const int* ids, float* out, int cols,
+                                        float scale) {
+  get_rows_float<__half>(w, ids, out, cols, scale);
+}
+EMU_EXPORT(get_rows_f16)
+
+extern "C" __global__ void get_rows_f32(const float* w, const int* ids, float* out, int cols,
+                                        float scale) {
+  get_rows_float<float>(w, ids, out, cols, scale);
+}
+EMU_EXPORT(get_rows_f32)

@@ -1,0 +1,5 @@
+// The one translation unit that is compiled, both by NVRTC (one module per architecture, see
+// scripts/build-cuda-kernels.py) and by the host compiler for the CPU emulator.
+#include "gemv.cu"
+#include "ops.cu"
+#include "attention.cu"

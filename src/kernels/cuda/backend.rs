@@ -1,0 +1,461 @@
+//! `model::Backend` on a CUDA device (or the emulator): weights uploaded once as stored
+//! (quantized; types without a kernel are dequantized to f16 at load), activations as device f32
+//! matrices, the paged KV cache as f16 device blocks (also for `KvType::F32` models). The host side
+//! only sequences kernels (`ops`) through a [`Launch`]; small per-call tables (token ids,
+//! positions, KV slots, block tables) are uploaded per call. Errors inside an op cannot be returned
+//! through the `Backend` trait and end the process with a message naming the op (a launch fails
+//! only for a lost device or a bug).
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::{bail, Result};
+use half::f16;
+
+use super::launch::{DevBuf, Launch};
+use super::ops::{self, AttnArgs};
+use crate::format::GgmlType;
+use crate::model::backend::{
+    AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+};
+use crate::model::config::Activation;
+
+pub struct CudaWeight {
+    pub buf: DevBuf,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+pub struct CudaVec {
+    pub buf: DevBuf,
+    pub len: usize,
+}
+
+pub struct CudaAct {
+    pub buf: DevBuf,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+pub struct CudaKv {
+    pub k: Vec<DevBuf>,
+    pub v: Vec<DevBuf>,
+    pub block_size: usize,
+    pub kv_dim: usize,
+}
+
+pub struct CudaBackend {
+    l: Arc<dyn Launch>,
+    /// Grow-only scratch: q8_1 activations and attention partials.
+    scratch: Mutex<[Option<DevBuf>; 2]>,
+}
+
+const Q8: usize = 0;
+const PART: usize = 1;
+
+/// Unwraps the result of an op; see the module docs for why this ends the process.
+fn ok<T>(what: &str, r: Result<T>) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => panic!("infer: CUDA backend failed in {what}: {e:#}"),
+    }
+}
+
+fn i32s(v: impl IntoIterator<Item = usize>) -> Vec<i32> {
+    v.into_iter().map(|x| x as i32).collect()
+}
+
+impl CudaBackend {
+    pub fn new(l: Arc<dyn Launch>) -> CudaBackend {
+        CudaBackend {
+            l,
+            scratch: Mutex::new([None, None]),
+        }
+    }
+
+    pub fn launcher(&self) -> &Arc<dyn Launch> {
+        &self.l
+    }
+
+    /// A device address of scratch buffer `which` holding at least `bytes`.
+    fn scratch(&self, which: usize, bytes: usize) -> Result<u64> {
+        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if s[which].as_ref().is_none_or(|b| b.bytes < bytes) {
+            s[which] = None; // free first: the old one is not needed any more
+            s[which] = Some(DevBuf::new(&self.l, bytes.next_power_of_two())?);
+        }
+        Ok(s[which].as_ref().map(|b| b.ptr).unwrap_or(0))
+    }
+
+    fn ints(&self, v: &[i32]) -> Result<DevBuf> {
+        DevBuf::from_i32(&self.l, if v.is_empty() { &[0] } else { v })
+    }
+
+    fn try_matmul_many(&self, x: &CudaAct, jobs: &mut [MatmulJob<'_, Self>]) -> Result<()> {
+        let l = &*self.l;
+        let n = x.rows;
+        let need_q8 = jobs
+            .iter()
+            .any(|(w, _, _)| ops::gemv_kernel(w.ty).is_some_and(|(_, q)| q));
+        let q8 = if need_q8 {
+            if x.cols % 32 != 0 {
+                bail!("matmul input width {} is not a multiple of 32", x.cols);
+            }
+            let q8 = self.scratch(Q8, n * x.cols / 32 * ops::Q8_1_BYTES)?;
+            ops::quantize_q8_1(l, x.buf.ptr, q8, n * x.cols)?;
+            q8
+        } else {
+            0
+        };
+        for (w, bias, out) in jobs.iter_mut() {
+            if w.cols != x.cols || out.cols != w.rows || out.rows != n {
+                bail!(
+                    "matmul shapes: weight {}x{}, input {}x{}, output {}x{}",
+                    w.rows,
+                    w.cols,
+                    n,
+                    x.cols,
+                    out.rows,
+                    out.cols
+                );
+            }
+            let quantized = ops::gemv_kernel(w.ty).is_some_and(|(_, q)| q);
+            let input = if quantized { q8 } else { x.buf.ptr };
+            ops::gemv(l, w.ty, w.buf.ptr, input, out.buf.ptr, (w.rows, w.cols, n))?;
+            if let Some(b) = bias {
+                ops::add_bias(l, out.buf.ptr, b.buf.ptr, n, w.rows)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn try_attention(
+        &self,
+        q: &CudaAct,
+        kv: &CudaKv,
+        layer: usize,
+        queries: &[AttnQuery<'_>],
+        shape: AttnShape,
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        let mut tables = Vec::new();
+        let mut meta = Vec::with_capacity(queries.len() * 3);
+        let mut longest = 1;
+        for qr in queries {
+            meta.extend([tables.len() as i32, qr.pos as i32, qr.lo as i32]);
+            tables.extend(qr.block_table.iter().map(|&b| b as i32));
+            longest = longest.max((qr.pos + 1).saturating_sub(qr.lo) as usize);
+        }
+        let (tables, meta) = (self.ints(&tables)?, self.ints(&meta)?);
+        let n_split = longest.div_ceil(ops::ATTN_SPLIT);
+        let part_bytes = ops::attn_part_bytes(queries.len(), shape.n_head, shape.head_dim, n_split);
+        let a = AttnArgs {
+            q: q.buf.ptr,
+            k_cache: kv.k[layer].ptr,
+            v_cache: kv.v[layer].ptr,
+            tables: tables.ptr,
+            meta: meta.ptr,
+            part: self.scratch(PART, part_bytes)?,
+            out: out.buf.ptr,
+            n_q: queries.len(),
+            n_head: shape.n_head,
+            n_head_kv: shape.n_head_kv,
+            head_dim: shape.head_dim,
+            block_size: kv.block_size,
+            kv_dim: kv.kv_dim,
+            scale: shape.scale,
+            n_split,
+        };
+        ops::attention(&*self.l, &a)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Weight = CudaWeight;
+    type Vector = CudaVec;
+    type Act = CudaAct;
+    type Kv = CudaKv;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn load_weight(&self, src: &WeightSource<'_>) -> Result<CudaWeight> {
+        let Some(row_bytes) = src.ty.row_bytes(src.cols) else {
+            bail!(
+                "`{}`: row length {} does not fit {}",
+                src.name,
+                src.cols,
+                src.ty.name()
+            );
+        };
+        if row_bytes * src.rows != src.bytes.len() {
+            bail!(
+                "`{}`: {} bytes for a {}x{} {}",
+                src.name,
+                src.bytes.len(),
+                src.rows,
+                src.cols,
+                src.ty.name()
+            );
+        }
+        if ops::gemv_kernel(src.ty).is_some() {
+            let buf = DevBuf::from_bytes(&self.l, src.bytes)?;
+            return Ok(CudaWeight {
+                buf,
+                ty: src.ty,
+                rows: src.rows,
+                cols: src.cols,
+            });
+        }
+        // No kernel for this type: dequantize once to f16.
+        let mut row = vec![0f32; src.cols];
+        let mut bytes = Vec::with_capacity(src.rows * src.cols * 2);
+        for r in src.bytes.chunks_exact(row_bytes) {
+            crate::quant::dequantize_row(src.ty, r, &mut row)?;
+            bytes.extend(row.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()));
+        }
+        let buf = DevBuf::from_bytes(&self.l, &bytes)?;
+        Ok(CudaWeight {
+            buf,
+            ty: GgmlType::F16,
+            rows: src.rows,
+            cols: src.cols,
+        })
+    }
+
+    fn load_vector(&self, data: &[f32]) -> Result<CudaVec> {
+        Ok(CudaVec {
+            buf: DevBuf::from_f32(&self.l, data)?,
+            len: data.len(),
+        })
+    }
+
+    fn alloc_kv(
+        &self,
+        n_layer: usize,
+        n_blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+        _kv_type: KvType,
+    ) -> Result<CudaKv> {
+        let bytes = n_blocks * block_size * kv_dim * 2;
+        let mut k = Vec::with_capacity(n_layer);
+        let mut v = Vec::with_capacity(n_layer);
+        for _ in 0..n_layer {
+            k.push(DevBuf::new(&self.l, bytes)?);
+            v.push(DevBuf::new(&self.l, bytes)?);
+        }
+        Ok(CudaKv {
+            k,
+            v,
+            block_size,
+            kv_dim,
+        })
+    }
+
+    fn act(&self, rows: usize, cols: usize) -> CudaAct {
+        let buf = ok(
+            "allocating an activation",
+            DevBuf::new(&self.l, rows * cols * 4),
+        );
+        CudaAct { buf, rows, cols }
+    }
+
+    fn rows(&self, x: &CudaAct) -> usize {
+        x.rows
+    }
+
+    fn embed(&self, table: &CudaWeight, tokens: &[u32], scale: f32, out: &mut CudaAct) {
+        ok(
+            "embed",
+            (|| {
+                let ids = self.ints(&i32s(tokens.iter().map(|&t| t as usize)))?;
+                ops::get_rows(
+                    &*self.l,
+                    table.ty,
+                    table.buf.ptr,
+                    ids.ptr,
+                    out.buf.ptr,
+                    (tokens.len(), table.cols),
+                    scale,
+                )
+            })(),
+        )
+    }
+
+    fn rms_norm(&self, x: &CudaAct, w: &CudaVec, eps: f32, out: &mut CudaAct) {
+        let groups = x.rows * x.cols / w.len;
+        ok(
+            "rms_norm",
+            ops::rms_norm(
+                &*self.l,
+                x.buf.ptr,
+                w.buf.ptr,
+                out.buf.ptr,
+                groups,
+                w.len,
+                eps,
+            ),
+        )
+    }
+
+    fn rms_norm_inplace(&self, x: &mut CudaAct, w: &CudaVec, eps: f32) {
+        let groups = x.rows * x.cols / w.len;
+        ok(
+            "rms_norm",
+            ops::rms_norm(
+                &*self.l, x.buf.ptr, w.buf.ptr, x.buf.ptr, groups, w.len, eps,
+            ),
+        )
+    }
+
+    fn matmul(&self, w: &CudaWeight, x: &CudaAct, bias: Option<&CudaVec>, out: &mut CudaAct) {
+        self.matmul_many(x, &mut [(w, bias, out)]);
+    }
+
+    fn matmul_many(&self, x: &CudaAct, jobs: &mut [MatmulJob<'_, Self>]) {
+        ok("matmul", self.try_matmul_many(x, jobs))
+    }
+
+    fn rope(&self, x: &mut CudaAct, positions: &[u32], rope: Rope, ff: Option<&CudaVec>) {
+        ok(
+            "rope",
+            (|| {
+                let pos = self.ints(&i32s(positions.iter().map(|&p| p as usize)))?;
+                let ff = ff.map(|f| f.buf.ptr);
+                ops::rope(
+                    &*self.l,
+                    x.buf.ptr,
+                    pos.ptr,
+                    ff,
+                    (x.rows, x.cols),
+                    rope.head_dim,
+                    rope.base,
+                    rope.style,
+                )
+            })(),
+        )
+    }
+
+    fn scale(&self, x: &mut CudaAct, s: f32) {
+        ok("scale", ops::scale(&*self.l, x.buf.ptr, s, x.rows * x.cols))
+    }
+
+    fn add(&self, x: &mut CudaAct, y: &CudaAct) {
+        assert_eq!((x.rows, x.cols), (y.rows, y.cols), "add: shapes differ");
+        ok(
+            "add",
+            ops::add(&*self.l, x.buf.ptr, y.buf.ptr, x.rows * x.cols),
+        )
+    }
+
+    fn glu(&self, gate: &mut CudaAct, up: &CudaAct, act: Activation) {
+        ok(
+            "glu",
+            ops::glu(
+                &*self.l,
+                gate.buf.ptr,
+                up.buf.ptr,
+                gate.rows * gate.cols,
+                act,
+            ),
+        )
+    }
+
+    fn kv_write(&self, kv: &mut CudaKv, layer: usize, k: &CudaAct, v: &CudaAct, slots: &[usize]) {
+        ok(
+            "kv_write",
+            (|| {
+                let s = self.ints(&i32s(slots.iter().copied()))?;
+                let caches = (kv.k[layer].ptr, kv.v[layer].ptr);
+                ops::kv_write(
+                    &*self.l,
+                    caches,
+                    (k.buf.ptr, v.buf.ptr),
+                    s.ptr,
+                    slots.len(),
+                    kv.kv_dim,
+                )
+            })(),
+        )
+    }
+
+    fn attention(
+        &self,
+        q: &CudaAct,
+        kv: &CudaKv,
+        layer: usize,
+        queries: &[AttnQuery<'_>],
+        shape: AttnShape,
+        out: &mut CudaAct,
+    ) {
+        ok(
+            "attention",
+            self.try_attention(q, kv, layer, queries, shape, out),
+        )
+    }
+
+    fn add_rows_scaled(&self, x: &mut CudaAct, y: &CudaAct, rows: &[usize], scales: &[f32]) {
+        if rows.is_empty() {
+            return;
+        }
+        ok(
+            "add_rows_scaled",
+            (|| {
+                let r = self.ints(&i32s(rows.iter().copied()))?;
+                let s = DevBuf::from_f32(&self.l, scales)?;
+                ops::add_rows_scaled(
+                    &*self.l,
+                    x.buf.ptr,
+                    y.buf.ptr,
+                    r.ptr,
+                    s.ptr,
+                    rows.len(),
+                    x.cols,
+                )
+            })(),
+        )
+    }
+
+    fn copy_heads(&self, src: &CudaAct, dst: &mut CudaAct, c: HeadCopy) {
+        ok(
+            "copy_heads",
+            ops::copy_heads(
+                &*self.l,
+                src.buf.ptr,
+                dst.buf.ptr,
+                src.rows,
+                (src.cols, dst.cols),
+                c,
+            ),
+        )
+    }
+
+    fn gather_rows(&self, x: &CudaAct, rows: &[usize]) -> CudaAct {
+        let out = self.act(rows.len(), x.cols);
+        if !rows.is_empty() {
+            ok(
+                "gather_rows",
+                (|| {
+                    let idx = self.ints(&i32s(rows.iter().copied()))?;
+                    ops::gather_rows(
+                        &*self.l,
+                        x.buf.ptr,
+                        idx.ptr,
+                        out.buf.ptr,
+                        rows.len(),
+                        x.cols,
+                    )
+                })(),
+            );
+        }
+        out
+    }
+
+    fn to_host(&self, x: &CudaAct) -> Vec<f32> {
+        let mut v = ok("reading results", x.buf.to_f32());
+        v.truncate(x.rows * x.cols);
+        v
+    }
+}

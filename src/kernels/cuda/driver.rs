@@ -1,0 +1,187 @@
+//! The real-GPU implementation of [`Launch`] over cudarc's driver API (dynamically loaded:
+//! building needs no CUDA), and [`probe`], which finds a usable device without ever panicking:
+//! it checks for the driver library before touching cudarc (whose calls panic without it), and
+//! turns any panic of a broken driver library into an error.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Arc, Mutex};
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
+
+use super::launch::{Arg, Launch};
+use super::module::{self, Image};
+
+/// A CUDA device with the kernels loaded.
+pub struct CudaDriver {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    module: Module,
+    funcs: Mutex<HashMap<String, Func>>,
+    desc: String,
+}
+
+/// A loaded module handle.
+struct Module(sys::CUmodule);
+/// A kernel handle.
+#[derive(Clone, Copy)]
+struct Func(sys::CUfunction);
+// SAFETY: CUDA driver handles may be used from any thread once the context is current there
+// (every entry point below binds it first); the module outlives every function handle.
+unsafe impl Send for Module {}
+unsafe impl Sync for Module {}
+unsafe impl Send for Func {}
+
+/// Why no GPU is used, in words for the `--device auto` fallback line.
+pub fn probe() -> Result<Arc<CudaDriver>> {
+    // SAFETY: only tries to dlopen the library names cudarc would use; nothing is called in it.
+    if !unsafe { sys::is_culib_present() } {
+        bail!("no CUDA driver library (libcuda.so) found");
+    }
+    match std::panic::catch_unwind(open) {
+        Ok(r) => r,
+        Err(_) => bail!("the CUDA driver library is unusable (a required symbol is missing)"),
+    }
+}
+
+fn open() -> Result<Arc<CudaDriver>> {
+    result::init().map_err(|e| anyhow!("CUDA driver init failed: {e:?}"))?;
+    let n = result::device::get_count().map_err(|e| anyhow!("counting CUDA devices: {e:?}"))?;
+    if n < 1 {
+        bail!("the CUDA driver reports no device");
+    }
+    let ctx = CudaContext::new(0).map_err(|e| anyhow!("creating a CUDA context: {e:?}"))?;
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| anyhow!("reading the compute capability: {e:?}"))?;
+    let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+    let Some(image) = module::select(major as u32, minor as u32) else {
+        bail!("{name} has compute capability {major}.{minor}; the CUDA backend needs 8.0 or newer");
+    };
+    let (loaded, what) = match image {
+        // SAFETY: a complete cubin image embedded at build time; the driver copies it.
+        Image::Cubin { arch, bytes } => (unsafe { load(bytes) }, format!("cubin sm_{arch}")),
+        Image::Ptx { arch, text } => {
+            let c = CString::new(text).context("embedded PTX holds a NUL byte")?;
+            // SAFETY: a NUL-terminated PTX text; the driver JIT-compiles and copies it.
+            (
+                unsafe { load(c.as_bytes_with_nul()) },
+                format!("PTX sm_{arch} (JIT)"),
+            )
+        }
+    };
+    let module = loaded.map_err(|e| anyhow!("loading the kernels ({what}) on {name}: {e:?}"))?;
+    let stream = ctx.default_stream();
+    Ok(Arc::new(CudaDriver {
+        desc: format!("{name} (sm_{major}{minor}, {what})"),
+        ctx,
+        stream,
+        module: Module(module),
+        funcs: Mutex::new(HashMap::new()),
+    }))
+}
+
+/// # Safety
+/// `image` must be a complete cubin or NUL-terminated PTX; a context must be current.
+unsafe fn load(image: &[u8]) -> Result<sys::CUmodule, result::DriverError> {
+    result::module::load_data(image.as_ptr() as *const c_void)
+}
+
+impl CudaDriver {
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| anyhow!("binding the CUDA context: {e:?}"))
+    }
+
+    fn func(&self, name: &str) -> Result<Func> {
+        let mut funcs = self.funcs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = funcs.get(name) {
+            return Ok(*f);
+        }
+        let cname = CString::new(name)?;
+        // SAFETY: the module is loaded and stays loaded while self lives.
+        let f = unsafe { result::module::get_function(self.module.0, cname) }
+            .map_err(|e| anyhow!("kernel {name} not found in the embedded module: {e:?}"))?;
+        funcs.insert(name.to_string(), Func(f));
+        Ok(Func(f))
+    }
+}
+
+impl Launch for CudaDriver {
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<u64> {
+        self.bind()?;
+        let s = self.stream.cu_stream();
+        // SAFETY: a fresh allocation on our stream, zeroed on the same stream before any use.
+        unsafe {
+            let p = result::malloc_async(s, bytes.max(1))
+                .map_err(|e| anyhow!("allocating {bytes} bytes of GPU memory: {e:?}"))?;
+            result::memset_d8_async(p, 0, bytes.max(1), s)
+                .map_err(|e| anyhow!("zeroing GPU memory: {e:?}"))?;
+            Ok(p)
+        }
+    }
+
+    fn free(&self, ptr: u64) {
+        if self.bind().is_ok() {
+            // SAFETY: ptr came from `alloc` and is freed once (DevBuf's drop), stream-ordered
+            // after every queued use.
+            let _ = unsafe { result::free_async(ptr, self.stream.cu_stream()) };
+        }
+    }
+
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: dst holds at least src.len() bytes (callers size buffers from the data); a
+        // copy from pageable memory returns only once src has been staged.
+        unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("copying {} bytes to the GPU: {e:?}", src.len()))
+    }
+
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: src holds at least dst.len() bytes; the stream is synchronized before dst is
+        // read.
+        unsafe { result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(|e| anyhow!("copying {} bytes from the GPU: {e:?}", dst.len()))?;
+        self.sync()
+    }
+
+    fn launch(&self, name: &str, grid: [u32; 3], block: [u32; 3], args: &[Arg]) -> Result<()> {
+        self.bind()?;
+        let f = self.func(name)?;
+        let mut slots: Vec<u64> = args.iter().map(|a| a.bits()).collect();
+        let mut params: Vec<*mut c_void> = slots
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect();
+        // SAFETY: `args` follow the kernel's C signature (ops.rs is the one place that spells
+        // them); each parameter is read from its 8-byte little-endian slot during the call.
+        unsafe {
+            result::launch_kernel(
+                f.0,
+                (grid[0], grid[1], grid[2]),
+                (block[0], block[1], block[2]),
+                0,
+                self.stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| anyhow!("launching {name}: {e:?}"))
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| anyhow!("CUDA stream: {e:?}"))
+    }
+
+    fn mem_info(&self) -> Option<(usize, usize)> {
+        self.ctx.mem_get_info().ok()
+    }
+}

@@ -1,0 +1,340 @@
+//! Typed launchers for the kernels of `cuda/*.cu`: each function states a kernel's grid, block and
+//! argument order in one place (they must match the `extern "C"` signatures), so the backend and
+//! the checks never spell raw launches. Pointers are device addresses from [`super::launch`].
+
+use anyhow::{bail, Result};
+
+use super::launch::{Arg, Launch};
+use crate::format::GgmlType;
+use crate::model::backend::HeadCopy;
+use crate::model::config::{Activation, RopeStyle};
+
+/// Keys per split of the attention kernel (`ATTN_SPLIT` in attention.cu).
+pub const ATTN_SPLIT: usize = 128;
+/// Most query heads per KV head the attention kernel takes (`ATTN_MAX_G`).
+pub const ATTN_MAX_G: usize = 16;
+/// Largest head size of the attention kernel (`ATTN_MAX_HD`).
+pub const ATTN_MAX_HD: usize = 256;
+/// Bytes of one q8_1 activation block (32 values).
+pub const Q8_1_BYTES: usize = 36;
+
+fn grid1(n: usize, per_block: usize) -> [u32; 3] {
+    [n.div_ceil(per_block).max(1) as u32, 1, 1]
+}
+
+fn i32a(v: usize) -> Arg {
+    Arg::I32(v as i32)
+}
+
+/// The GEMV kernel of a weight type, and whether it takes q8_1 activations (else f32).
+pub fn gemv_kernel(ty: GgmlType) -> Option<(&'static str, bool)> {
+    Some(match ty {
+        GgmlType::Q4_0 => ("gemv_q4_0", true),
+        GgmlType::Q5_0 => ("gemv_q5_0", true),
+        GgmlType::Q8_0 => ("gemv_q8_0", true),
+        GgmlType::Q4K => ("gemv_q4_k", true),
+        GgmlType::Q6K => ("gemv_q6_k", true),
+        GgmlType::F16 => ("gemv_f16", false),
+        GgmlType::F32 => ("gemv_f32", false),
+        _ => return None,
+    })
+}
+
+fn get_rows_kernel(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::Q4_0 => "get_rows_q4_0",
+        GgmlType::Q5_0 => "get_rows_q5_0",
+        GgmlType::Q8_0 => "get_rows_q8_0",
+        GgmlType::Q4K => "get_rows_q4_k",
+        GgmlType::Q6K => "get_rows_q6_k",
+        GgmlType::F16 => "get_rows_f16",
+        GgmlType::F32 => "get_rows_f32",
+        _ => return None,
+    })
+}
+
+/// q8_1 blocks of `n_values` f32 values (a multiple of 32) at `x`, written to `out`.
+pub fn quantize_q8_1(l: &dyn Launch, x: u64, out: u64, n_values: usize) -> Result<()> {
+    let nb = n_values / 32;
+    let args = [Arg::Ptr(x), Arg::Ptr(out), i32a(nb)];
+    l.launch("quantize_q8_1", grid1(nb, 4), [128, 1, 1], &args)
+}
+
+/// out (ntok × rows) = x · Wᵀ for a `rows × cols` weight of type `ty`; `x` is q8_1 blocks or f32
+/// rows as [`gemv_kernel`] says.
+pub fn gemv(
+    l: &dyn Launch,
+    ty: GgmlType,
+    w: u64,
+    x: u64,
+    out: u64,
+    (rows, cols, ntok): (usize, usize, usize),
+) -> Result<()> {
+    let Some((name, _)) = gemv_kernel(ty) else {
+        bail!("no CUDA matmul kernel for {}", ty.name());
+    };
+    let grid = [rows.div_ceil(4) as u32, ntok.div_ceil(8) as u32, 1];
+    let args = [
+        Arg::Ptr(w),
+        Arg::Ptr(x),
+        Arg::Ptr(out),
+        i32a(rows),
+        i32a(cols),
+        i32a(ntok),
+    ];
+    l.launch(name, grid, [128, 1, 1], &args)
+}
+
+/// out[i] = dequant(W row ids[i]) * scale for `n` ids (device i32) of a `cols`-wide weight.
+pub fn get_rows(
+    l: &dyn Launch,
+    ty: GgmlType,
+    w: u64,
+    ids: u64,
+    out: u64,
+    (n, cols): (usize, usize),
+    scale: f32,
+) -> Result<()> {
+    let Some(name) = get_rows_kernel(ty) else {
+        bail!("no CUDA row lookup for {}", ty.name());
+    };
+    let args = [
+        Arg::Ptr(w),
+        Arg::Ptr(ids),
+        Arg::Ptr(out),
+        i32a(cols),
+        Arg::F32(scale),
+    ];
+    l.launch(name, [n as u32, 1, 1], [256, 1, 1], &args)
+}
+
+/// RMS norm of `n_groups` groups of `n` values (y may equal x).
+pub fn rms_norm(
+    l: &dyn Launch,
+    x: u64,
+    w: u64,
+    y: u64,
+    n_groups: usize,
+    n: usize,
+    eps: f32,
+) -> Result<()> {
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(w),
+        Arg::Ptr(y),
+        i32a(n),
+        Arg::F32(eps),
+    ];
+    l.launch("rms_norm", [n_groups as u32, 1, 1], [256, 1, 1], &args)
+}
+
+/// RoPE in place over `rows × cols` (positions: device i32 per row; ff: optional factors).
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    l: &dyn Launch,
+    x: u64,
+    pos: u64,
+    ff: Option<u64>,
+    (rows, cols): (usize, usize),
+    head_dim: usize,
+    base: f32,
+    style: RopeStyle,
+) -> Result<()> {
+    let theta_scale = base.powf(-2.0 / head_dim as f32);
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(pos),
+        Arg::Ptr(ff.unwrap_or(0)),
+        i32a(rows),
+        i32a(cols),
+        i32a(head_dim),
+        Arg::F32(theta_scale),
+        Arg::I32((style == RopeStyle::Neox) as i32),
+    ];
+    l.launch("rope", grid1(rows * cols / 2, 256), [256, 1, 1], &args)
+}
+
+pub fn glu(l: &dyn Launch, gate: u64, up: u64, n: usize, act: Activation) -> Result<()> {
+    let code = match act {
+        Activation::Silu => 0,
+        Activation::GeluTanh => 1,
+        Activation::GeluTanhF32 => 2,
+    };
+    let args = [
+        Arg::Ptr(gate),
+        Arg::Ptr(up),
+        Arg::I64(n as i64),
+        Arg::I32(code),
+    ];
+    l.launch("glu", grid1(n, 256), [256, 1, 1], &args)
+}
+
+pub fn add(l: &dyn Launch, x: u64, y: u64, n: usize) -> Result<()> {
+    let args = [Arg::Ptr(x), Arg::Ptr(y), Arg::I64(n as i64)];
+    l.launch("add", grid1(n, 256), [256, 1, 1], &args)
+}
+
+pub fn scale(l: &dyn Launch, x: u64, s: f32, n: usize) -> Result<()> {
+    let args = [Arg::Ptr(x), Arg::F32(s), Arg::I64(n as i64)];
+    l.launch("scale", grid1(n, 256), [256, 1, 1], &args)
+}
+
+pub fn add_bias(l: &dyn Launch, out: u64, bias: u64, rows: usize, cols: usize) -> Result<()> {
+    let args = [Arg::Ptr(out), Arg::Ptr(bias), i32a(rows), i32a(cols)];
+    l.launch("add_bias", grid1(rows * cols, 256), [256, 1, 1], &args)
+}
+
+/// x[rows[i]] += scales[i] * y[i] for `n` rows of `cols` (rows, scales: device arrays).
+pub fn add_rows_scaled(
+    l: &dyn Launch,
+    x: u64,
+    y: u64,
+    rows: u64,
+    scales: u64,
+    n: usize,
+    cols: usize,
+) -> Result<()> {
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(y),
+        Arg::Ptr(rows),
+        Arg::Ptr(scales),
+        i32a(cols),
+    ];
+    l.launch("add_rows_scaled", [n as u32, 1, 1], [256, 1, 1], &args)
+}
+
+pub fn gather_rows(
+    l: &dyn Launch,
+    x: u64,
+    idx: u64,
+    out: u64,
+    n: usize,
+    cols: usize,
+) -> Result<()> {
+    let args = [Arg::Ptr(x), Arg::Ptr(idx), Arg::Ptr(out), i32a(cols)];
+    l.launch("gather_rows", [n as u32, 1, 1], [256, 1, 1], &args)
+}
+
+pub fn copy_heads(
+    l: &dyn Launch,
+    src: u64,
+    dst: u64,
+    rows: usize,
+    (src_cols, dst_cols): (usize, usize),
+    c: HeadCopy,
+) -> Result<()> {
+    let args = [
+        Arg::Ptr(src),
+        Arg::Ptr(dst),
+        i32a(src_cols),
+        i32a(dst_cols),
+        i32a(c.src_hd),
+        i32a(c.src_off),
+        i32a(c.dst_hd),
+        i32a(c.dst_off),
+        i32a(c.width),
+    ];
+    let grid = [rows as u32, (dst_cols / c.dst_hd) as u32, 1];
+    l.launch("copy_heads", grid, [128, 1, 1], &args)
+}
+
+/// Rows of k and v (`n × kv_dim` f32) into the f16 caches at device i32 `slots`.
+pub fn kv_write(
+    l: &dyn Launch,
+    (kc, vc): (u64, u64),
+    (k, v): (u64, u64),
+    slots: u64,
+    n: usize,
+    kv_dim: usize,
+) -> Result<()> {
+    let args = [
+        Arg::Ptr(kc),
+        Arg::Ptr(vc),
+        Arg::Ptr(k),
+        Arg::Ptr(v),
+        Arg::Ptr(slots),
+        i32a(kv_dim),
+    ];
+    l.launch("kv_write", [n as u32, 1, 1], [256, 1, 1], &args)
+}
+
+/// Index of the largest value of each of `rows` rows (device i32 out).
+pub fn argmax(l: &dyn Launch, x: u64, out: u64, rows: usize, cols: usize) -> Result<()> {
+    let args = [Arg::Ptr(x), Arg::Ptr(out), i32a(cols)];
+    l.launch("argmax", [rows as u32, 1, 1], [256, 1, 1], &args)
+}
+
+/// The attention problem for [`attention`]: buffers and sizes.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnArgs {
+    pub q: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    /// Every query's block table, concatenated (device i32).
+    pub tables: u64,
+    /// Per query: offset of its table in `tables`, pos, lo (device i32 × 3).
+    pub meta: u64,
+    /// Scratch of at least [`attn_part_bytes`].
+    pub part: u64,
+    pub out: u64,
+    pub n_q: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub kv_dim: usize,
+    pub scale: f32,
+    /// Splits per query: ceil(longest visible key range / ATTN_SPLIT).
+    pub n_split: usize,
+}
+
+pub fn attn_part_bytes(n_q: usize, n_head: usize, head_dim: usize, n_split: usize) -> usize {
+    n_q * n_head * n_split * (head_dim + 2) * 4
+}
+
+/// Split-KV attention then the merge of the splits.
+pub fn attention(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
+    if a.n_head % a.n_head_kv != 0
+        || a.n_head / a.n_head_kv > ATTN_MAX_G
+        || a.head_dim > ATTN_MAX_HD
+    {
+        bail!(
+            "CUDA attention takes up to {ATTN_MAX_G} query heads per KV head and head_dim up to \
+             {ATTN_MAX_HD} (model: {} / {} heads, head_dim {})",
+            a.n_head,
+            a.n_head_kv,
+            a.head_dim
+        );
+    }
+    let args = [
+        Arg::Ptr(a.q),
+        Arg::Ptr(a.k_cache),
+        Arg::Ptr(a.v_cache),
+        Arg::Ptr(a.tables),
+        Arg::Ptr(a.meta),
+        Arg::Ptr(a.part),
+        i32a(a.n_head),
+        i32a(a.n_head_kv),
+        i32a(a.head_dim),
+        i32a(a.block_size),
+        i32a(a.kv_dim),
+        Arg::F32(a.scale),
+        i32a(a.n_split),
+    ];
+    let grid = [a.n_q as u32, a.n_head_kv as u32, a.n_split as u32];
+    l.launch("attn_split", grid, [128, 1, 1], &args)?;
+    let args = [
+        Arg::Ptr(a.part),
+        Arg::Ptr(a.out),
+        i32a(a.n_head),
+        i32a(a.head_dim),
+        i32a(a.n_split),
+    ];
+    l.launch(
+        "attn_merge",
+        [a.n_q as u32, a.n_head as u32, 1],
+        [128, 1, 1],
+        &args,
+    )
+}
