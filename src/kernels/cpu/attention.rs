@@ -415,6 +415,8 @@ struct Scratch {
     acc: Vec<f32>,
     /// Merged result of the split-KV kernel.
     merged: Vec<f32>,
+    /// one_chunk's per-position softmax factors `(ms, vs)` between its two passes.
+    steps: Vec<(f32, f32)>,
 }
 
 impl Scratch {
@@ -424,6 +426,7 @@ impl Scratch {
             acc16: vec![f16::ZERO; hd],
             acc: vec![0.0; hd],
             merged: vec![0.0; hd],
+            steps: Vec::new(),
         }
     }
 
@@ -438,6 +441,39 @@ impl Scratch {
 /// `scratch.acc` and returns (max score, softmax denominator) — (-inf, 0) if nothing is visible.
 #[inline(always)]
 fn one_chunk(
+    heads: &Paged<'_>,
+    lo: usize,
+    hi: usize,
+    scale: f32,
+    isa: GgmlIsa,
+    scratch: &mut Scratch,
+) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar
+        && heads.hd % 64 == 0
+    {
+        // SAFETY: a non-scalar level means AVX2, FMA and F16C were detected; the head width is a
+        // multiple of 64 (checked), which is all the kernel asks beyond its own bounds checks.
+        return unsafe {
+            f16c::one_chunk(
+                heads,
+                lo,
+                hi,
+                scale,
+                isa,
+                &scratch.q16,
+                &mut scratch.steps,
+                &mut scratch.acc,
+            )
+        };
+    }
+    one_chunk_scalar(heads, lo, hi, scale, isa, scratch)
+}
+
+/// [`one_chunk`] one position at a time through the f16 accumulator in memory, as ggml runs it
+/// (the fallback, and the twin the two-pass kernel is tested against).
+#[inline(always)]
+fn one_chunk_scalar(
     heads: &Paged<'_>,
     lo: usize,
     hi: usize,
@@ -537,11 +573,73 @@ mod f16c {
         }
     }
 
+    /// [`super::one_chunk`] in two passes with the same arithmetic: first every score and its
+    /// online-softmax factors `(ms, vs)` (scalar `expf`, as ggml), then the f16 V accumulator 64
+    /// values at a time in registers over all positions, each step rounded to f16 as
+    /// `ggml_vec_scale_f16` / `ggml_vec_mad_f16` round it (a scale by exactly 1 is the identity on
+    /// f16 values, so it is skipped). Leaves the V sum in `acc`, returns (max, sum).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn one_chunk(
+        heads: &super::Paged<'_>,
+        lo: usize,
+        hi: usize,
+        scale: f32,
+        isa: super::GgmlIsa,
+        q16: &[f32],
+        steps: &mut Vec<(f32, f32)>,
+        acc: &mut [f32],
+    ) -> (f32, f32) {
+        let hd = heads.hd;
+        assert!(hd % 64 == 0 && q16.len() == hd && acc.len() == hd);
+        let mut m = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        steps.clear();
+        for p in lo..=hi {
+            let s = dot(q16, heads.k(p), isa) * scale;
+            let (mut ms, mut vs) = (1.0f32, 1.0f32);
+            if s > m {
+                ms = (m - s).exp();
+                m = s;
+            } else {
+                vs = (s - m).exp();
+            }
+            steps.push((ms, vs));
+            sum = sum.mul_add(ms, vs);
+        }
+        let r16 = |x: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+        for d0 in (0..hd).step_by(64) {
+            let mut a = [_mm256_setzero_ps(); 8];
+            for (p, &(ms, vs)) in (lo..=hi).zip(steps.iter()) {
+                if ms != 1.0 {
+                    let mv = _mm256_set1_ps(ms);
+                    for x in a.iter_mut() {
+                        *x = r16(_mm256_mul_ps(*x, mv));
+                    }
+                }
+                let v = heads.v(p)[d0..d0 + 64].as_ptr();
+                let vv = _mm256_set1_ps(vs);
+                for (j, x) in a.iter_mut().enumerate() {
+                    let w = _mm256_cvtph_ps(_mm_loadu_si128(v.add(8 * j).cast()));
+                    *x = r16(_mm256_fmadd_ps(w, vv, *x));
+                }
+            }
+            for (j, x) in a.iter().enumerate() {
+                _mm256_storeu_ps(acc.as_mut_ptr().add(d0 + 8 * j), *x);
+            }
+        }
+        (m, sum)
+    }
+
     /// [`super::dot_f16`] with the second row in f16, widened eight lanes at a time (exact): the
     /// same FMA chains, folds and reductions.
     ///
     /// # Safety
     /// AVX2, FMA and F16C are available; `y.len() >= x.len()`.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot(x: &[f32], y: &[f16], isa: super::GgmlIsa) -> f32 {
         let n = x.len();
@@ -927,6 +1025,49 @@ mod tests {
         let want: f32 = x.iter().zip(&y).map(|(a, b)| a * b).sum();
         assert_eq!(dot_f16_wide(&x, &y, GgmlIsa::Avx2), want);
         assert_eq!(dot_f16_wide(&x, &y, GgmlIsa::Avx512), want);
+    }
+
+    #[test]
+    fn two_pass_one_chunk_equals_the_scalar_twin() {
+        let hd = 128;
+        let (bs, kvd, n): (usize, usize, usize) = (32, 2 * hd, 300);
+        let f = |seed: u32, k: usize, mul: f32| -> Vec<f16> {
+            crate::kernels::cpu::test_floats(k, seed)
+                .iter()
+                .map(|&v| f16::from_f32(v * mul))
+                .collect()
+        };
+        let cells = n.div_ceil(bs) * bs;
+        let (k, v) = (f(3, cells * kvd, 1.5), f(4, cells * kvd, 2.0));
+        // blocks out of order, as a paged cache hands them out
+        let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
+        let heads = Paged {
+            k: &k,
+            v: &v,
+            table: &table,
+            bs,
+            kvd,
+            off: hd,
+            hd,
+        };
+        let q = crate::kernels::cpu::test_floats(hd, 7);
+        for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
+            for (lo, hi) in [(0, 0), (0, 299), (17, 140), (250, 299)] {
+                let mut a = Scratch::new(hd);
+                a.set_q16(&q);
+                let mut b = Scratch::new(hd);
+                b.set_q16(&q);
+                let want = one_chunk_scalar(&heads, lo, hi, 0.09, isa, &mut a);
+                let got = one_chunk(&heads, lo, hi, 0.09, isa, &mut b);
+                assert_eq!(
+                    (got.0.to_bits(), got.1.to_bits()),
+                    (want.0.to_bits(), want.1.to_bits())
+                );
+                for (x, y) in b.acc.iter().zip(&a.acc) {
+                    assert_eq!(x.to_bits(), y.to_bits(), "{isa:?} {lo}..={hi}");
+                }
+            }
+        }
     }
 
     #[test]
