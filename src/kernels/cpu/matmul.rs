@@ -329,12 +329,6 @@ mod x86 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn ld(p: *const u8) -> __m256i {
-        _mm256_loadu_si256(p.cast())
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn f16_at(p: *const u8) -> f32 {
         let h = p.cast::<u16>().read_unaligned();
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
@@ -355,48 +349,13 @@ mod x86 {
     /// AVX2, FMA and F16C are available; `w` points at `nb` Q6_K blocks and `a` at `nb` Q8_K.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn q6k_tiled(nb: usize, w: *const u8, a: *const u8) -> f32 {
-        let m3 = _mm256_set1_epi8(3);
-        let m15 = _mm256_set1_epi8(15);
         let mut acc = 0f32;
         for b in 0..nb {
             let x = w.add(b * 210);
             let y = a.add(b * 292);
-            let scales = _mm_loadu_si128(x.add(192).cast());
-            let mut sumi = _mm256_setzero_si256();
-            for j in 0..2 {
-                let bits1 = ld(x.add(64 * j));
-                let bits2 = ld(x.add(64 * j + 32));
-                let hbits = ld(x.add(128 + 32 * j));
-                let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hbits, m3));
-                let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(hbits, _mm256_set1_epi8(12)));
-                let h2 = _mm256_and_si256(hbits, _mm256_set1_epi8(48));
-                let h3 = _mm256_srli_epi16::<2>(_mm256_and_si256(hbits, _mm256_set1_epi8(-64)));
-                let q = [
-                    _mm256_or_si256(_mm256_and_si256(bits1, m15), h0),
-                    _mm256_or_si256(_mm256_and_si256(bits2, m15), h1),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits1), m15), h2),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(bits2), m15), h3),
-                ];
-                for (k, qk) in q.iter().enumerate() {
-                    let g = (4 * j + k) as i64;
-                    let ctl = _mm_set_epi64x(
-                        (2 * g + 1) * 0x0101_0101_0101_0101,
-                        2 * g * 0x0101_0101_0101_0101,
-                    );
-                    let sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, ctl));
-                    let yk = ld(y.add(4 + 128 * j + 32 * k));
-                    sumi = _mm256_add_epi32(
-                        sumi,
-                        _mm256_madd_epi16(sc, _mm256_maddubs_epi16(*qk, yk)),
-                    );
-                }
-            }
-            // Values were taken unsigned (0..64): subtract 32 · Σ scale · bsum, exactly.
-            let sub = _mm256_slli_epi32::<5>(_mm256_madd_epi16(
-                ld(y.add(260)),
-                _mm256_cvtepi8_epi16(scales),
-            ));
-            let isum = hsum_i32(_mm256_sub_epi32(sumi, sub));
+            // The exact integer lanes of ggml's Q6_K dot (values offset by 32 already taken off).
+            let [lanes] = crate::kernels::cpu::simd::avx2::kquants::q6k_block_isums::<1>(x, y, 0);
+            let isum = hsum_i32(lanes);
             let ad = y.cast::<f32>().read_unaligned();
             acc = (f16_at(x.add(208)) * isum as f32).mul_add(ad, acc);
         }

@@ -348,7 +348,7 @@ fn scale_pick(k: usize) -> __m256i {
 /// `x` points at one Q6_K block and `ya + r * stride` at a Q8_K block for every `r < M`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k_block_isums<const M: usize>(
+pub(crate) unsafe fn q6k_block_isums<const M: usize>(
     x: *const u8,
     ya: *const u8,
     stride: usize,

@@ -17,7 +17,7 @@ use super::Kernels;
 use crate::format::GgmlType;
 
 mod float;
-mod kquants;
+pub(crate) mod kquants;
 mod legacy;
 
 /// Whether this CPU has everything the AVX2 kernels use (std caches the CPUID probe).
