@@ -1,11 +1,14 @@
 // The emulator's runtime (see cuda_emu.h): the fiber scheduler for one block, warp exchange,
 // barrier checks, the kernel registry and the C entry point `infer_emu_launch` that the Rust tests
 // call through libloading. Device pointers are plain host pointers.
+#if !defined(__x86_64__)
 #include <ucontext.h>
+#endif
 
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,11 +22,73 @@ thread_local unsigned char* cur_dyn_smem = nullptr;
 
 namespace {
 
+// Fiber switching. On x86-64 a hand-written switch (callee-saved registers, MXCSR and the x87
+// control word): ucontext's swapcontext makes a sigprocmask system call per switch, which made
+// the emulator spend most of its time in the kernel. Elsewhere, ucontext.
+#if defined(__x86_64__)
+extern "C" void infer_emu_switch(void** save_sp, void* new_sp);
+asm(R"(
+.text
+.globl infer_emu_switch
+.hidden infer_emu_switch
+.type infer_emu_switch,@function
+infer_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size infer_emu_switch, .-infer_emu_switch
+)");
+struct Context {
+  void* sp = nullptr;
+};
+inline void ctx_switch(Context& from, Context& to) { infer_emu_switch(&from.sp, to.sp); }
+/// Prepares `c` to start `entry` on the stack [base, base + size).
+inline void ctx_make(Context& c, char* base, size_t size, void (*entry)()) {
+  uintptr_t top = ((uintptr_t)(base + size)) & ~(uintptr_t)15;
+  uint64_t* s = (uint64_t*)(top - 8);  // entry's frame sees rsp = 8 mod 16, as after a call
+  *s = 0;                               // fake return address of entry (it never returns)
+  *--s = (uint64_t)(uintptr_t)entry;    // popped by `ret`
+  for (int i = 0; i < 6; i++) *--s = 0; // rbp rbx r12 r13 r14 r15
+  *--s = 0x037F00001F80ull;             // MXCSR default (low), x87 control word default (high)
+  c.sp = s;
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+inline void ctx_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+inline void ctx_make(Context& c, char* base, size_t size, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = base;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+#endif
+
 enum class St { Run, Barrier, Warp, Done };
 
 struct Fiber {
   ThreadCtx t;
-  ucontext_t ctx;
+  Context ctx;
   St st = St::Run;
   const char* file = "";
   int line = 0;
@@ -39,8 +104,7 @@ struct Launch {
   Invoke fn = nullptr;
   void** args = nullptr;
   std::vector<Fiber> fibers;
-  std::vector<std::vector<char>> stacks;
-  ucontext_t sched;
+  Context sched;
   Fiber* running = nullptr;
   std::string error;
 };
@@ -56,10 +120,10 @@ std::map<std::string, Invoke>& registry() {
 void fiber_main() {
   L->fn(L->args);
   L->running->st = St::Done;
-  swapcontext(&L->running->ctx, &L->sched);
+  ctx_switch(L->running->ctx, L->sched);
 }
 
-void yield_to_scheduler() { swapcontext(&L->running->ctx, &L->sched); }
+void yield_to_scheduler() { ctx_switch(L->running->ctx, L->sched); }
 
 std::string site(const Fiber& f) {
   return std::string(f.file) + ":" + std::to_string(f.line);
@@ -143,7 +207,7 @@ bool run_block() {
       if (f.st != St::Run) continue;
       L->running = &f;
       cur_thread = &f.t;
-      swapcontext(&L->sched, &f.ctx);
+      ctx_switch(L->sched, f.ctx);
       if (!L->error.empty()) return false;
     }
     // Every live fiber now waits (or is done).
@@ -288,7 +352,10 @@ extern "C" int infer_emu_launch(const char* name, const unsigned* grid, const un
   launch.fn = it->second;
   launch.args = args;
   launch.fibers.resize(nthreads);
-  launch.stacks.resize(nthreads);
+  // Fiber stacks, kept per OS thread across launches (uninitialised: a fresh stack is written
+  // before it is read).
+  static thread_local std::vector<std::unique_ptr<char[]>> stacks;
+  while (stacks.size() < nthreads) stacks.emplace_back(new char[STACK]);
   std::vector<unsigned char> dyn(smem + 16);
   cur_dyn_smem = dyn.data();
   cur_grid_dim = {grid[0], grid[1], grid[2]};
@@ -305,12 +372,7 @@ extern "C" int infer_emu_launch(const char* name, const unsigned* grid, const un
                      (unsigned)(i / block[0] / block[1])};
           f.t.lane = (unsigned)(i % 32);
           f.t.warp = (unsigned)(i / 32);
-          if (launch.stacks[i].empty()) launch.stacks[i].resize(STACK);
-          getcontext(&f.ctx);
-          f.ctx.uc_stack.ss_sp = launch.stacks[i].data();
-          f.ctx.uc_stack.ss_size = STACK;
-          f.ctx.uc_link = nullptr;
-          makecontext(&f.ctx, fiber_main, 0);
+          ctx_make(f.ctx, stacks[i].get(), STACK, fiber_main);
         }
         if (!run_block()) {
           report(launch.error);

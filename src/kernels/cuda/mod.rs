@@ -11,6 +11,7 @@
 pub mod backend;
 pub mod check;
 pub mod check_attn;
+pub mod check_forward;
 pub mod driver;
 pub mod launch;
 pub mod module;
