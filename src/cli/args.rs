@@ -228,9 +228,18 @@ pub struct SpecArgs {
     /// Prompt-lookup speculative decoding: draft the tokens that followed the latest earlier
     /// occurrence of the last N tokens (longest n-gram tried; 0 = off) and verify them in one
     /// forward. Greedy output is unchanged; sampling keeps the model's distribution
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    #[arg(long, value_name = "N", default_value_t = 0, conflicts_with_all = ["draft_model", "self_draft"])]
     pub lookup: usize,
-    /// Most tokens drafted per step with --lookup (the draft length adapts below it)
+    /// Speculative decoding with a smaller draft model (same vocabulary), run on the CPU
+    #[arg(long, value_name = "FILE", conflicts_with = "self_draft")]
+    pub draft_model: Option<std::path::PathBuf>,
+    /// Self-speculative decoding: draft with the model's first LAYERS layers (early exit)
+    #[arg(long, value_name = "LAYERS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub self_draft: Option<u64>,
+    /// Most tokens drafted per step (the draft length adapts below it)
     #[arg(long, value_name = "K", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub draft_max: u64,
+    /// Adapt the draft length to acceptance only, not to the measured cost of verify forwards
+    #[arg(long)]
+    pub no_cost_k: bool,
 }

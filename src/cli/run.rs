@@ -17,7 +17,7 @@ use crate::cli::tokenize::read_stdin_text;
 use crate::cli::{note, progress, UsageError};
 use infer::engine::generate::{generate_with, GenHooks, GenParams, TokenEvent};
 use infer::engine::runner::Sequence;
-use infer::engine::speculative::PromptLookup;
+use infer::engine::speculative::{check_vocab, DraftModel, Method, Speculator};
 use infer::tokenizer::Tokenizer;
 /// Installs the Ctrl-C handler once and returns the flag it raises.
 pub fn cancel_flag() -> Arc<AtomicBool> {
@@ -150,12 +150,11 @@ pub fn run(a: RunArgs) -> Result<()> {
             b.set_position(done as u64);
         }
     };
-    let mut lookup =
-        (a.spec.lookup > 0).then(|| PromptLookup::new(a.spec.lookup, a.spec.draft_max as usize));
+    let mut spec = speculator(&a, &tok, runner.model.cfg.n_layer)?;
     let hooks = GenHooks {
         logprobs: a.logprobs,
         prefill_progress: Some(&mut on_prefill),
-        lookup: lookup.as_mut(),
+        spec: spec.as_mut(),
     };
     let mut first = true;
     let stats = generate_with(
@@ -195,11 +194,14 @@ pub fn run(a: RunArgs) -> Result<()> {
                 "prompt_tps": round2(stats.prompt_tps()),
                 "gen_tps": round2(stats.gen_tps()),
                 "stop": stats.stop.as_str(),
-                "speculative": lookup.as_ref().map(|l| json!({
-                    "drafted": l.stats.drafted,
-                    "accepted": l.stats.accepted,
-                    "acceptance": round2(l.stats.acceptance()),
-                    "tokens_per_forward": round2(l.stats.tokens_per_forward()),
+                "speculative": spec.as_ref().map(|s| json!({
+                    "method": s.method.name(),
+                    "drafted": s.stats.drafted,
+                    "accepted": s.stats.accepted,
+                    "acceptance": round2(s.stats.acceptance()),
+                    "target_forwards": s.stats.forwards,
+                    "tokens_per_forward": round2(s.stats.tokens_per_forward()),
+                    "draft_secs": round2(s.stats.draft_secs),
                 })),
             })
         )?;
@@ -216,16 +218,57 @@ pub fn run(a: RunArgs) -> Result<()> {
         stats.gen_tps(),
         stats.stop.as_str()
     );
-    if let Some(l) = &lookup {
+    if let Some(s) = &spec {
         note!(
-            "infer: lookup drafted {} tokens, accepted {} ({:.0}%), {:.2} tokens per forward",
-            l.stats.drafted,
-            l.stats.accepted,
-            100.0 * l.stats.acceptance(),
-            l.stats.tokens_per_forward()
+            "infer: {} drafted {} tokens, accepted {} ({:.0}%), {:.2} tokens per target forward \
+             ({} forwards, {:.2} s drafting)",
+            s.method.name(),
+            s.stats.drafted,
+            s.stats.accepted,
+            100.0 * s.stats.acceptance(),
+            s.stats.tokens_per_forward(),
+            s.stats.forwards,
+            s.stats.draft_secs
         );
     }
     Ok(())
+}
+
+/// The speculative decoder the flags ask for (`None`: plain decoding). Loads `--draft-model`
+/// (on the CPU, same threads and context as the target) and checks its vocabulary.
+fn speculator(a: &RunArgs, tok: &Tokenizer, n_layer: usize) -> Result<Option<Speculator>> {
+    let s = &a.spec;
+    let method = if s.lookup > 0 {
+        Method::Lookup(infer::engine::speculative::PromptLookup::new(s.lookup))
+    } else if let Some(path) = &s.draft_model {
+        let loaded = progress::with_spinner(format!("loading {}", path.display()), || {
+            load(path, a.model.threads, a.ctx)
+        })?;
+        check_vocab(tok, &loaded.tokenizer)
+            .map_err(|e| UsageError(format!("--draft-model {}: {e:#}", path.display())))?;
+        note!(
+            "infer: loaded draft model {} in {:.2} s",
+            path.display(),
+            loaded.load_secs
+        );
+        Method::Model(Box::new(DraftModel::new(loaded.runner)))
+    } else if let Some(layers) = s.self_draft {
+        let layers = layers as usize;
+        if layers >= n_layer {
+            return Err(UsageError(format!(
+                "--self-draft {layers}: the model has {n_layer} layers; draft with fewer \
+                 (e.g. {})",
+                (n_layer / 2).max(1)
+            ))
+            .into());
+        }
+        Method::SelfDraft { layers }
+    } else {
+        return Ok(None);
+    };
+    let mut spec = Speculator::new(method, s.draft_max as usize);
+    spec.cost_based = !s.no_cost_k;
+    Ok(Some(spec))
 }
 
 fn round2(x: f64) -> f64 {

@@ -11,7 +11,7 @@ use anyhow::Result;
 
 use crate::engine::runner::{Runner, Sequence};
 use crate::engine::sampler::{log_softmax_top, Sampler, SamplerConfig};
-use crate::engine::speculative::PromptLookup;
+use crate::engine::speculative::Speculator;
 use crate::engine::stop::StopMatcher;
 use crate::model::Backend;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -106,8 +106,8 @@ pub struct GenHooks<'a> {
     pub logprobs: Option<usize>,
     /// Called with `(computed, total)` prompt tokens after each prefill chunk.
     pub prefill_progress: Option<&'a mut dyn FnMut(usize, usize)>,
-    /// Speculative decoding by prompt lookup (see `speculative`); its counters are updated.
-    pub lookup: Option<&'a mut PromptLookup>,
+    /// Speculative decoding (see `speculative`); its counters are updated.
+    pub spec: Option<&'a mut Speculator>,
 }
 
 /// Generates a continuation of `prompt` in `seq` (whose cached prefix is reused where it matches).
@@ -157,7 +157,7 @@ pub fn generate_with<B: Backend>(
     let mut utf8 = StreamDecoder::new();
     let t1 = Instant::now();
     let mut generated = 0;
-    let mut lookup = hooks.lookup;
+    let mut spec = hooks.spec;
     // Speculation: verified tokens (already in `seq`, cached) with the logits after each, and the
     // token decided where verification stopped.
     let mut verified: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
@@ -203,11 +203,11 @@ pub fn generate_with<B: Backend>(
         if seq.tokens.len() >= runner.n_ctx() {
             break StopReason::ContextFull;
         }
-        logits = match (next_verified, lookup.as_deref_mut()) {
+        logits = match (next_verified, spec.as_deref_mut()) {
             (Some((_, after)), _) => after,
-            (None, Some(l)) => {
+            (None, Some(s)) => {
                 let room = params.max_tokens - generated;
-                let step = l.step(runner, seq, room, |lg, h| sampler.sample(lg, h))?;
+                let step = s.step(runner, seq, room, &mut sampler)?;
                 verified = step.accepted;
                 decided = step.rejected_with;
                 step.logits

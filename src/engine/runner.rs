@@ -78,6 +78,43 @@ impl<B: Backend> Runner<B> {
         self.compute_with(seq, |_| true, &mut |_, _| {})
     }
 
+    /// Early exit for self-speculative drafting: runs `seq.tokens[from..]` through the first
+    /// `layers` layers plus the final norm and head and returns the last token's logits. Writes
+    /// those layers' K/V at those positions but leaves `n_cached` alone: the positions stay
+    /// uncached, and the full forward that verifies them rewrites every layer there.
+    pub fn draft_logits(
+        &mut self,
+        seq: &mut Sequence,
+        from: usize,
+        layers: usize,
+    ) -> Result<Vec<f32>> {
+        let end = seq.tokens.len();
+        if from >= end || from < seq.n_cached {
+            bail!(
+                "draft forward from position {from}: only uncached positions {}..{end} may run",
+                seq.n_cached
+            );
+        }
+        if end > self.n_ctx {
+            bail!(
+                "context is full: {} tokens needed, the context holds {} (raise --ctx)",
+                end,
+                self.n_ctx
+            );
+        }
+        self.blocks.allocate(&mut seq.block_table, end)?;
+        let batch: Vec<BatchEntry<'_>> = (from..end)
+            .map(|pos| BatchEntry {
+                token: seq.tokens[pos],
+                pos: pos as u32,
+                block_table: &seq.block_table,
+                logits: pos + 1 == end,
+            })
+            .collect();
+        let mut rows = self.model.forward_layers(&mut self.kv, &batch, layers)?;
+        Ok(rows.pop().expect("the last row asked for logits"))
+    }
+
     /// Appends `tokens` and returns the logits of the last one.
     pub fn extend(&mut self, seq: &mut Sequence, tokens: &[u32]) -> Result<Vec<f32>> {
         seq.tokens.extend_from_slice(tokens);

@@ -554,6 +554,36 @@ impl Sampler {
     }
 }
 
+impl Sampler {
+    /// A uniform draw in `[0, 1)` from this sampler's RNG (speculative acceptance tests).
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.next_f64()
+    }
+
+    /// Draws an id from `weights` (`(id, w)` with `w >= 0`, not necessarily normalised) by the
+    /// same inverse CDF as [`Sampler::sample`]; advances the RNG once. Used for the residual
+    /// distribution of speculative verification. Panics if every weight is zero.
+    pub fn draw(&mut self, weights: &[(u32, f32)]) -> u32 {
+        let sum: f64 = weights.iter().map(|&(_, w)| f64::from(w)).sum();
+        assert!(sum > 0.0, "sampler: drawing from an all-zero distribution");
+        let target = self.rng.next_f64() * sum;
+        let mut cum = 0.0f64;
+        for &(id, w) in weights {
+            cum += f64::from(w);
+            if cum > target {
+                return id;
+            }
+        }
+        let last = weights.iter().rposition(|&(_, w)| w > 0.0).unwrap_or(0);
+        weights[last].0
+    }
+
+    /// Whether this sampler is greedy (its distribution is always one-hot).
+    pub fn is_greedy(&self) -> bool {
+        self.cfg.temperature <= 0.0
+    }
+}
+
 /// Log-probabilities under the model's own distribution: the log-softmax of the raw `logits` at
 /// temperature 1, before penalties, truncation or temperature (as llama.cpp's server and OpenAI
 /// report them), computed in f64. Returns `ln p(chosen)` and the `n` most likely tokens as
@@ -695,6 +725,28 @@ mod tests {
         distinct.sort_unstable();
         distinct.dedup();
         assert!(distinct.len() > 30, "{}", distinct.len());
+    }
+
+    #[test]
+    fn draw_follows_the_weights() {
+        let mut s = Sampler::new(cfg(1.0, 0, 1.0, 0.0));
+        let w = [(7u32, 3.0f32), (2, 0.0), (9, 1.0)];
+        let mut counts = [0usize; 3];
+        let n = 40_000;
+        for _ in 0..n {
+            match s.draw(&w) {
+                7 => counts[0] += 1,
+                9 => counts[2] += 1,
+                other => panic!("drew {other}, which has weight 0"),
+            }
+        }
+        // 0.75 and 0.25 within 4.5 standard deviations (sd = sqrt(n * 0.75 * 0.25) ~ 87).
+        assert!(
+            (counts[0] as f64 - 0.75 * n as f64).abs() < 390.0,
+            "{counts:?}"
+        );
+        let u = s.uniform();
+        assert!((0.0..1.0).contains(&u));
     }
 
     #[test]

@@ -1,24 +1,37 @@
-//! Draft-free speculative decoding by prompt lookup: propose the tokens that followed the most
-//! recent earlier occurrence of the sequence's last n-gram, verify them all in one forward, keep
-//! the longest prefix the target model agrees with, and rewind the sequence past the rest.
+//! Speculative decoding: a drafter proposes tokens, the target verifies them all in one forward,
+//! the standard acceptance rule ([`verify`]) keeps a prefix, and the sequence is rewound past the
+//! rest. Drafters: prompt lookup ([`lookup`], no model), a separate CPU draft model and the
+//! target's own first layers ([`draft`]). The draft length adapts (grows by two on full
+//! acceptance, drops to what was accepted plus one otherwise) and is capped by the cost model
+//! ([`cost`]) once it has measurements.
 //!
 //! Invariants: verification runs with row-invariant numerics (`Backend::set_row_invariant`), so
-//! every verified row's logits are bit-identical to a one-token step's; a drafted token is
-//! accepted only if the caller's own decision on those logits (the sampler, with the history up to
-//! that position) picks it. With a deterministic decision (greedy) the output is therefore exactly
-//! plain decoding's. Rollback is truncation (`Runner::truncate`), no KV is copied.
+//! every verified row's logits are bit-identical to a one-token step's; with a greedy sampler the
+//! output is therefore exactly plain decoding's, whatever the drafter. Rollback is truncation
+//! (`Runner::truncate`), no KV is copied.
+
+pub mod cost;
+pub mod draft;
+pub mod lookup;
+pub mod verify;
 
 use std::collections::VecDeque;
+use std::time::Instant;
 
 use anyhow::Result;
 
 use crate::engine::runner::{Runner, Sequence};
+use crate::engine::sampler::Sampler;
 use crate::model::Backend;
+use cost::CostModel;
+pub use draft::{check_vocab, DraftModel};
+use draft::{draft_sampler, self_draft, Draft};
+pub use lookup::PromptLookup;
 
 /// Counters over a generation.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct SpecStats {
-    /// Tokens proposed by the lookup.
+    /// Tokens proposed by the drafter.
     pub drafted: usize,
     /// Proposed tokens the target model agreed with.
     pub accepted: usize,
@@ -26,6 +39,8 @@ pub struct SpecStats {
     pub forwards: usize,
     /// Tokens those forwards produced (each forward yields its accepted drafts plus one).
     pub produced: usize,
+    /// Seconds spent drafting.
+    pub draft_secs: f64,
 }
 
 impl SpecStats {
@@ -48,80 +63,112 @@ impl SpecStats {
     }
 }
 
-/// Prompt-lookup drafting with an adaptive draft length.
-#[derive(Clone, Debug)]
-pub struct PromptLookup {
-    /// Longest n-gram matched (shorter ones are tried down to 1).
-    pub ngram_max: usize,
-    /// Most tokens drafted per step.
-    pub draft_max: usize,
-    /// Current draft length (grows on full acceptance, shrinks to what was accepted otherwise).
-    k: usize,
-    pub stats: SpecStats,
+/// Where drafts come from.
+pub enum Method {
+    /// `--lookup N`: n-grams of the prompt and output.
+    Lookup(PromptLookup),
+    /// `--draft-model FILE`: a second model on the CPU.
+    Model(Box<DraftModel>),
+    /// `--self-draft LAYERS`: the target's first layers, final norm and head.
+    SelfDraft { layers: usize },
 }
 
-impl PromptLookup {
-    pub fn new(ngram_max: usize, draft_max: usize) -> PromptLookup {
+impl Method {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Method::Lookup(_) => "lookup",
+            Method::Model(_) => "draft-model",
+            Method::SelfDraft { .. } => "self-draft",
+        }
+    }
+}
+
+/// A drafter with its adaptive draft length, cost model and counters.
+pub struct Speculator {
+    pub method: Method,
+    /// Most tokens drafted per step.
+    pub draft_max: usize,
+    /// Cap the draft length by the cost model (on by default).
+    pub cost_based: bool,
+    /// Current adaptive draft length.
+    k: usize,
+    pub stats: SpecStats,
+    pub cost: CostModel,
+    /// The draft model's sampler (created from the target's settings at the first step).
+    sampler: Option<Sampler>,
+}
+
+impl Speculator {
+    pub fn new(method: Method, draft_max: usize) -> Speculator {
         let draft_max = draft_max.max(1);
-        PromptLookup {
-            ngram_max: ngram_max.max(1),
+        Speculator {
+            method,
             draft_max,
+            cost_based: true,
             k: draft_max.min(4),
             stats: SpecStats::default(),
+            cost: CostModel::default(),
+            sampler: None,
         }
     }
 
-    /// The continuation (at most `max` tokens) of the most recent earlier occurrence of the last
-    /// n-gram of `history`, longest n first; empty if no n-gram recurs.
-    pub fn draft(&self, history: &[u32], max: usize) -> Vec<u32> {
-        let len = history.len();
-        for n in (1..=self.ngram_max.min(len.saturating_sub(1))).rev() {
-            let tail = &history[len - n..];
-            // Occurrences ending before the tail itself, most recent first.
-            for start in (0..len - n).rev() {
-                if &history[start..start + n] == tail {
-                    let from = start + n;
-                    let take = max.min(len - from);
-                    if take > 0 {
-                        return history[from..from + take].to_vec();
-                    }
-                }
-            }
+    /// Prompt lookup over n-grams of up to `ngram_max` tokens.
+    pub fn lookup(ngram_max: usize, draft_max: usize) -> Speculator {
+        Speculator::new(Method::Lookup(PromptLookup::new(ngram_max)), draft_max)
+    }
+
+    /// The draft length the next step asks for.
+    pub fn next_k(&self) -> usize {
+        match self.cost.best_k(self.draft_max) {
+            Some(best) if self.cost_based => self.k.min(best),
+            _ => self.k,
         }
-        Vec::new()
     }
 
     /// One decoding step. `seq.tokens` ends with the token just chosen, not yet computed. Drafts
-    /// after it, verifies the draft in one row-invariant forward and keeps the accepted prefix.
-    /// `decide(logits, history)` is the caller's choice of the token following `history` (its
-    /// sampler): a draft token is accepted when `decide` picks it, and at the first position where
-    /// it picks another token, that token is the output there (for a sampler this is the standard
-    /// rule with a one-hot draft: `x` is kept with probability `p(x)`, otherwise the output is
-    /// drawn from `p` without `x`, so the output distribution is exactly `p`).
+    /// at most `room` tokens after it, verifies them in one row-invariant forward and keeps what
+    /// the rule accepts, drawing with `sampler` (the target's own).
     ///
     /// Returns the logits after the chosen token, each accepted draft token with the logits after
-    /// it, and the decided token at the first rejection (`None` if every draft was accepted). The
+    /// it, and the token output at the first rejection (`None` if every draft was accepted). The
     /// sequence keeps the chosen token and the accepted drafts, all cached.
     pub fn step<B: Backend>(
         &mut self,
         runner: &mut Runner<B>,
         seq: &mut Sequence,
         room: usize,
-        mut decide: impl FnMut(&[f32], &[u32]) -> u32,
+        sampler: &mut Sampler,
     ) -> Result<Step> {
         let max = self
-            .k
+            .next_k()
             .min(room)
             .min(runner.n_ctx().saturating_sub(seq.tokens.len()));
-        let draft = if max > 0 {
-            self.draft(&seq.tokens, max)
+        let t0 = Instant::now();
+        let draft = if max == 0 {
+            Draft::default()
         } else {
-            Vec::new()
+            let ds = self
+                .sampler
+                .get_or_insert_with(|| draft_sampler(sampler.config()));
+            match &mut self.method {
+                Method::Lookup(l) => Draft {
+                    tokens: l.draft(&seq.tokens, max),
+                    q: None,
+                },
+                Method::Model(m) => m.draft(&seq.tokens, max, runner.vocab_size(), ds)?,
+                Method::SelfDraft { layers } => self_draft(runner, seq, *layers, max, ds)?,
+            }
         };
+        let draft_secs = t0.elapsed().as_secs_f64();
+        self.stats.draft_secs += draft_secs;
+        self.cost.record_draft(draft.tokens.len(), draft_secs);
         self.stats.forwards += 1;
-        if draft.is_empty() {
+        let n = draft.tokens.len();
+        if n == 0 {
             self.stats.produced += 1;
+            let t = Instant::now();
             let logits = runner.compute(seq)?;
+            self.cost.record_forward(1, t.elapsed().as_secs_f64());
             return Ok(Step {
                 logits,
                 accepted: VecDeque::new(),
@@ -129,27 +176,31 @@ impl PromptLookup {
             });
         }
         let base = seq.tokens.len(); // the chosen token is at base - 1
-        seq.tokens.extend_from_slice(&draft);
+        seq.tokens.extend_from_slice(&draft.tokens);
+        let t = Instant::now();
         runner.model.backend.set_row_invariant(true);
         let rows = runner.compute_all(seq);
         runner.model.backend.set_row_invariant(false);
         let mut rows = rows?;
-        let mut accepted = 0;
-        let mut rejected_with = None;
-        while accepted < draft.len() {
-            let history = &seq.tokens[..base + accepted];
-            let choice = decide(&rows[accepted], history);
-            if choice != draft[accepted] {
-                rejected_with = Some(choice);
-                break;
-            }
-            accepted += 1;
-        }
+        self.cost
+            .record_forward(rows.len(), t.elapsed().as_secs_f64());
+        // The chosen token's row and one per draft (earlier uncached tokens, if any, go first).
+        let mut rows = rows.split_off(rows.len() - (n + 1));
+        let v = verify::verify(
+            sampler,
+            &seq.tokens,
+            base,
+            &rows,
+            &draft.tokens,
+            draft.q.as_deref(),
+        );
+        let accepted = v.accepted;
         runner.truncate(seq, base + accepted);
-        self.stats.drafted += draft.len();
+        self.stats.drafted += n;
         self.stats.accepted += accepted;
         self.stats.produced += accepted + 1;
-        self.k = if accepted == draft.len() {
+        self.cost.record_verdict(n, accepted);
+        self.k = if accepted == n {
             (self.k + 2).min(self.draft_max)
         } else {
             (accepted + 1).clamp(1, self.draft_max)
@@ -157,39 +208,21 @@ impl PromptLookup {
         rows.truncate(accepted + 1);
         let mut rows = rows.into_iter();
         let first = rows.next().expect("the chosen token's row");
-        let queue = draft[..accepted].iter().copied().zip(rows).collect();
+        let queue = draft.tokens[..accepted].iter().copied().zip(rows).collect();
         Ok(Step {
             logits: first,
             accepted: queue,
-            rejected_with,
+            rejected_with: v.rejected_with,
         })
     }
 }
 
-/// What [`PromptLookup::step`] found.
+/// What [`Speculator::step`] found.
 pub struct Step {
     /// Logits after the chosen token.
     pub logits: Vec<f32>,
     /// Accepted draft tokens in order, each with the logits after it.
     pub accepted: VecDeque<(u32, Vec<f32>)>,
-    /// The caller's decision at the first rejected draft position: the token to output there.
+    /// The token output at the first rejected draft position.
     pub rejected_with: Option<u32>,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn draft_continues_the_latest_longest_match() {
-        let l = PromptLookup::new(3, 8);
-        // "1 2 3 4 5 ... 1 2 3" → continue with "4 5".
-        assert_eq!(l.draft(&[1, 2, 3, 4, 5, 9, 1, 2, 3], 2), vec![4, 5]);
-        // The most recent occurrence wins: "7 8" → "1" (second), not "2" (first).
-        assert_eq!(l.draft(&[7, 8, 2, 7, 8, 1, 7, 8], 1), vec![1]);
-        // Falls back to shorter n-grams; nothing recurs → empty.
-        assert_eq!(l.draft(&[5, 6, 9, 6], 3), vec![9, 6]);
-        assert!(l.draft(&[1, 2, 3], 4).is_empty());
-        assert!(l.draft(&[], 4).is_empty());
-    }
 }

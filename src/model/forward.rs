@@ -36,7 +36,19 @@ pub struct Model<B: Backend> {
 impl<B: Backend> Model<B> {
     /// Runs the batch and returns the logits of the entries that asked for them, in batch order.
     pub fn forward(&self, kv: &mut B::Kv, batch: &[BatchEntry<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.forward_layers(kv, batch, self.cfg.n_layer)
+    }
+
+    /// [`Model::forward`] through the first `layers` layers only, then the final norm and head
+    /// (early exit, for self-speculative drafts). Writes K/V of those layers alone.
+    pub fn forward_layers(
+        &self,
+        kv: &mut B::Kv,
+        batch: &[BatchEntry<'_>],
+        layers: usize,
+    ) -> Result<Vec<Vec<f32>>> {
         let (cfg, w, be) = (&self.cfg, &self.weights, &self.backend);
+        let layers = layers.clamp(1, cfg.n_layer);
         let n = batch.len();
         if n == 0 {
             return Ok(Vec::new());
@@ -77,7 +89,7 @@ impl<B: Backend> Model<B> {
         let mut gate = be.act(n, ff); // (n, n_ff)
         let mut up = be.act(n, ff);
 
-        for (il, (lw, lc)) in w.layers.iter().zip(&cfg.layers).enumerate() {
+        for (il, (lw, lc)) in w.layers.iter().zip(&cfg.layers).take(layers).enumerate() {
             // attention block
             be.rms_norm(&x, &lw.attn_norm, cfg.norm_eps, &mut h);
             match (&lw.attn, &cfg.mla) {
@@ -139,7 +151,7 @@ impl<B: Backend> Model<B> {
                 Some(m) => be.matmul(&lw.wo, &mla::values(be, cfg, m, &attn), None, &mut o),
                 None => be.matmul(&lw.wo, &attn, None, &mut o),
             }
-            if il + 1 == cfg.n_layer && want.len() < n {
+            if il + 1 == layers && want.len() < n {
                 // Only the rows that want logits go on (llama.cpp's `inp_out_ids`).
                 if want.is_empty() {
                     return Ok(Vec::new());

@@ -1,0 +1,134 @@
+//! Cost-based draft length: running measurements of what a target forward over `n` rows costs,
+//! what one drafted token costs, and how often drafts are accepted, and the draft length `k`
+//! that maximises expected tokens per second under them.
+//!
+//! Model: each drafted token is accepted with probability `a` given its predecessors were (a
+//! geometric run), so a step drafting `k` yields `1 + a + … + a^k` tokens on average, at the cost
+//! of `k` draft tokens plus one target forward over `k + 1` rows. The forward cost is a
+//! least-squares line through the measured row counts (means that decay toward recent values),
+//! extrapolated to unmeasured ones. Until two different row counts are measured there is no
+//! line, and no choice is made (the caller's adaptive length rules alone).
+
+/// Weight of a new measurement in the running means.
+const NEW: f64 = 0.3;
+/// Decay of the acceptance counts per step (recent behaviour dominates).
+const DECAY: f64 = 0.95;
+
+#[derive(Clone, Debug, Default)]
+pub struct CostModel {
+    /// Mean seconds of a target forward over `n` rows, at index `n`.
+    forward: Vec<Option<f64>>,
+    /// Mean seconds per drafted token.
+    draft: Option<f64>,
+    /// Decayed counts of accepted drafts and of draft positions tried (accepted or the rejected).
+    accepted: f64,
+    tried: f64,
+}
+
+fn mix(old: Option<f64>, new: f64) -> f64 {
+    old.map_or(new, |o| o + NEW * (new - o))
+}
+
+impl CostModel {
+    /// A target forward over `rows` rows took `secs`.
+    pub fn record_forward(&mut self, rows: usize, secs: f64) {
+        if self.forward.len() <= rows {
+            self.forward.resize(rows + 1, None);
+        }
+        self.forward[rows] = Some(mix(self.forward[rows], secs));
+    }
+
+    /// Drafting `tokens` tokens took `secs`.
+    pub fn record_draft(&mut self, tokens: usize, secs: f64) {
+        if tokens > 0 {
+            self.draft = Some(mix(self.draft, secs / tokens as f64));
+        }
+    }
+
+    /// A verification kept `accepted` of `drafted` tokens.
+    pub fn record_verdict(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        self.accepted = self.accepted * DECAY + accepted as f64;
+        self.tried = self.tried * DECAY + (accepted + usize::from(accepted < drafted)) as f64;
+    }
+
+    /// Estimated probability that a drafted token is accepted (given its predecessors were).
+    pub fn acceptance(&self) -> Option<f64> {
+        (self.tried > 0.0).then(|| self.accepted / self.tried)
+    }
+
+    /// Estimated seconds of a target forward over `rows` rows (`None` before two row counts are
+    /// measured).
+    pub fn forward_cost(&self, rows: usize) -> Option<f64> {
+        let pts: Vec<(f64, f64)> = self
+            .forward
+            .iter()
+            .enumerate()
+            .filter_map(|(n, t)| t.map(|t| (n as f64, t)))
+            .collect();
+        if pts.len() < 2 {
+            return None;
+        }
+        let m = pts.len() as f64;
+        let (sx, sy) = pts.iter().fold((0.0, 0.0), |a, p| (a.0 + p.0, a.1 + p.1));
+        let (mx, my) = (sx / m, sy / m);
+        let sxx: f64 = pts.iter().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
+        let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+        let slope = (sxy / sxx).max(0.0);
+        Some((my + slope * (rows as f64 - mx)).max(1e-9))
+    }
+
+    /// The draft length in `1..=max` with the most expected tokens per second, or `None` while
+    /// the measurements do not determine one.
+    pub fn best_k(&self, max: usize) -> Option<usize> {
+        let a = self.acceptance()?.clamp(0.0, 0.999);
+        let draft = self.draft.unwrap_or(0.0);
+        let mut best = (0.0, 0);
+        let (mut tokens, mut pow) = (1.0, 1.0);
+        for k in 1..=max {
+            pow *= a;
+            tokens += pow;
+            let secs = self.forward_cost(k + 1)? + k as f64 * draft;
+            let rate = tokens / secs;
+            if rate > best.0 {
+                best = (rate, k);
+            }
+        }
+        (best.1 > 0).then_some(best.1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picks_the_length_that_maximises_tokens_per_second() {
+        let mut c = CostModel::default();
+        assert_eq!(c.best_k(8), None);
+        // Forward cost 10 ms + 10 ms per extra row: a k-row verify costs k+1 steps.
+        for n in [1, 3, 5] {
+            c.record_forward(n, 0.010 * n as f64);
+        }
+        assert!((c.forward_cost(9).unwrap() - 0.090).abs() < 1e-12);
+        // Acceptance 0.5: tokens(k) = 2 - 0.5^k, secs(k) = 0.01 (k + 1); k = 1 is best
+        // (1.5 / 0.02 = 75 t/s vs 1.75 / 0.03 = 58 t/s).
+        c.record_verdict(2, 1);
+        assert!((c.acceptance().unwrap() - 0.5).abs() < 1e-12);
+        assert_eq!(c.best_k(8), Some(1));
+        // A nearly free verify (1 ms per extra row) and high acceptance: draft long.
+        let mut c = CostModel::default();
+        c.record_forward(1, 0.010);
+        c.record_forward(2, 0.011);
+        for _ in 0..50 {
+            c.record_verdict(8, 8);
+        }
+        c.record_verdict(8, 7);
+        assert_eq!(c.best_k(8), Some(8));
+        // ...unless each drafted token costs as much as a step.
+        c.record_draft(4, 0.080);
+        assert_eq!(c.best_k(8), Some(1));
+    }
+}
