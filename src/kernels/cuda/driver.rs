@@ -46,15 +46,16 @@ pub fn probe() -> Result<Arc<CudaDriver>> {
 }
 
 fn open() -> Result<Arc<CudaDriver>> {
-    result::init().map_err(|e| anyhow!("CUDA driver init failed: {e:?}"))?;
-    let n = result::device::get_count().map_err(|e| anyhow!("counting CUDA devices: {e:?}"))?;
+    result::init().map_err(|e| anyhow!("CUDA driver init failed: {}", cu(&e)))?;
+    let n =
+        result::device::get_count().map_err(|e| anyhow!("counting CUDA devices: {}", cu(&e)))?;
     if n < 1 {
         bail!("the CUDA driver reports no device");
     }
-    let ctx = CudaContext::new(0).map_err(|e| anyhow!("creating a CUDA context: {e:?}"))?;
+    let ctx = CudaContext::new(0).map_err(|e| anyhow!("creating a CUDA context: {}", cu(&e)))?;
     let (major, minor) = ctx
         .compute_capability()
-        .map_err(|e| anyhow!("reading the compute capability: {e:?}"))?;
+        .map_err(|e| anyhow!("reading the compute capability: {}", cu(&e)))?;
     let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
     let Some(image) = module::select(major as u32, minor as u32) else {
         bail!("{name} has compute capability {major}.{minor}; the CUDA backend needs 8.0 or newer");
@@ -71,7 +72,8 @@ fn open() -> Result<Arc<CudaDriver>> {
             )
         }
     };
-    let module = loaded.map_err(|e| anyhow!("loading the kernels ({what}) on {name}: {e:?}"))?;
+    let module =
+        loaded.map_err(|e| anyhow!("loading the kernels ({what}) on {name}: {}", cu(&e)))?;
     let stream = ctx.default_stream();
     Ok(Arc::new(CudaDriver {
         desc: format!("{name} (sm_{major}{minor}, {what})"),
@@ -80,6 +82,12 @@ fn open() -> Result<Arc<CudaDriver>> {
         module: Module(module),
         funcs: Mutex::new(HashMap::new()),
     }))
+}
+
+/// The error's name, without asking the driver (a fake or broken driver may lack
+/// cuGetErrorString, which `DriverError`'s Debug calls).
+fn cu(e: &result::DriverError) -> String {
+    format!("{:?}", e.0)
 }
 
 /// # Safety
@@ -92,7 +100,7 @@ impl CudaDriver {
     fn bind(&self) -> Result<()> {
         self.ctx
             .bind_to_thread()
-            .map_err(|e| anyhow!("binding the CUDA context: {e:?}"))
+            .map_err(|e| anyhow!("binding the CUDA context: {}", cu(&e)))
     }
 
     fn func(&self, name: &str) -> Result<Func> {
@@ -103,7 +111,7 @@ impl CudaDriver {
         let cname = CString::new(name)?;
         // SAFETY: the module is loaded and stays loaded while self lives.
         let f = unsafe { result::module::get_function(self.module.0, cname) }
-            .map_err(|e| anyhow!("kernel {name} not found in the embedded module: {e:?}"))?;
+            .map_err(|e| anyhow!("kernel {name} not found in the embedded module: {}", cu(&e)))?;
         funcs.insert(name.to_string(), Func(f));
         Ok(Func(f))
     }
@@ -120,9 +128,9 @@ impl Launch for CudaDriver {
         // SAFETY: a fresh allocation on our stream, zeroed on the same stream before any use.
         unsafe {
             let p = result::malloc_async(s, bytes.max(1))
-                .map_err(|e| anyhow!("allocating {bytes} bytes of GPU memory: {e:?}"))?;
+                .map_err(|e| anyhow!("allocating {bytes} bytes of GPU memory: {}", cu(&e)))?;
             result::memset_d8_async(p, 0, bytes.max(1), s)
-                .map_err(|e| anyhow!("zeroing GPU memory: {e:?}"))?;
+                .map_err(|e| anyhow!("zeroing GPU memory: {}", cu(&e)))?;
             Ok(p)
         }
     }
@@ -140,7 +148,7 @@ impl Launch for CudaDriver {
         // SAFETY: dst holds at least src.len() bytes (callers size buffers from the data); a
         // copy from pageable memory returns only once src has been staged.
         unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
-            .map_err(|e| anyhow!("copying {} bytes to the GPU: {e:?}", src.len()))
+            .map_err(|e| anyhow!("copying {} bytes to the GPU: {}", src.len(), cu(&e)))
     }
 
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<()> {
@@ -148,7 +156,7 @@ impl Launch for CudaDriver {
         // SAFETY: src holds at least dst.len() bytes; the stream is synchronized before dst is
         // read.
         unsafe { result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
-            .map_err(|e| anyhow!("copying {} bytes from the GPU: {e:?}", dst.len()))?;
+            .map_err(|e| anyhow!("copying {} bytes from the GPU: {}", dst.len(), cu(&e)))?;
         self.sync()
     }
 
@@ -172,13 +180,13 @@ impl Launch for CudaDriver {
                 &mut params,
             )
         }
-        .map_err(|e| anyhow!("launching {name}: {e:?}"))
+        .map_err(|e| anyhow!("launching {name}: {}", cu(&e)))
     }
 
     fn sync(&self) -> Result<()> {
         self.stream
             .synchronize()
-            .map_err(|e| anyhow!("CUDA stream: {e:?}"))
+            .map_err(|e| anyhow!("CUDA stream: {}", cu(&e)))
     }
 
     fn mem_info(&self) -> Option<(usize, usize)> {
