@@ -25,6 +25,10 @@
 
 use crate::kernels::cpu::SharedMut;
 use half::f16;
+
+#[cfg(target_arch = "x86_64")]
+#[path = "attention_rows.rs"]
+mod rows;
 use half::slice::HalfFloatSliceExt;
 
 use crate::kernels::cpu::backend::{CpuAct, CpuKv};
@@ -302,6 +306,48 @@ pub fn attention(
     let kvd = kv.kv_dim;
     let out_cols = out.cols;
     let dst = SharedMut(out.data.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    if tiled && rows::applies(hd) {
+        // Units of up to ROWS consecutive query rows of one sequence and one head.
+        let mut blocks: Vec<std::ops::Range<usize>> = Vec::new();
+        for i in 0..queries.len() {
+            match blocks.last_mut() {
+                Some(b) if b.len() < rows::ROWS && seq_of[b.start] == seq_of[i] => b.end = i + 1,
+                _ => blocks.push(i..i + 1),
+            }
+        }
+        pool.for_range(blocks.len() * shape.n_head, 1, |range| {
+            let mut res: Vec<Vec<f32>> = (0..rows::ROWS).map(|_| vec![0f32; hd]).collect();
+            for unit in range {
+                let (blk, h) = (&blocks[unit / shape.n_head], unit % shape.n_head);
+                let heads = Heads {
+                    seq: &seqs[seq_of[blk.start]].1,
+                    kvd,
+                    off: (h / group) * hd,
+                    hd,
+                };
+                let qs: Vec<&[f32]> = blk
+                    .clone()
+                    .map(|i| &q.row(i)[h * hd..(h + 1) * hd])
+                    .collect();
+                let ranges: Vec<(usize, usize)> = blk
+                    .clone()
+                    .map(|i| (queries[i].lo as usize, queries[i].pos as usize))
+                    .collect();
+                rows::tiled_rows(&qs, &heads, &ranges, shape.scale, isa, &mut res);
+                for (r, i) in blk.clone().enumerate() {
+                    // SAFETY: i < out.rows and (h + 1) * hd <= out_cols; unit (block, h) is
+                    // handled by exactly one thread and row i is in one block only, so this slice
+                    // is written once.
+                    let o = unsafe {
+                        std::slice::from_raw_parts_mut(dst.ptr().add(i * out_cols + h * hd), hd)
+                    };
+                    o.copy_from_slice(&res[r]);
+                }
+            }
+        });
+        return;
+    }
     pool.for_range(queries.len() * shape.n_head, 1, |range| {
         let mut scratch = Scratch::new(hd);
         let mut res = vec![0f32; hd];
@@ -1025,6 +1071,65 @@ mod tests {
         let want: f32 = x.iter().zip(&y).map(|(a, b)| a * b).sum();
         assert_eq!(dot_f16_wide(&x, &y, GgmlIsa::Avx2), want);
         assert_eq!(dot_f16_wide(&x, &y, GgmlIsa::Avx512), want);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn tiled_rows_equal_the_single_row_kernel() {
+        let (hd, heads_kv, n) = (128usize, 2usize, 300usize);
+        let kvd = hd * heads_kv;
+        let rnd = |seed: u32, k: usize| -> Vec<f32> {
+            crate::kernels::cpu::test_floats(k, seed)
+                .iter()
+                .map(|&v| f16::from_f32(v * 2.0).to_f32())
+                .collect()
+        };
+        let base = 5; // positions base..base + n are widened
+        let mut seq = SeqKv {
+            base,
+            k: rnd(11, n * kvd),
+            v: rnd(12, n * kvd),
+            kt: Vec::new(),
+        };
+        seq.transpose_keys(kvd, hd);
+        let heads = Heads {
+            seq: &seq,
+            kvd,
+            off: hd,
+            hd,
+        };
+        if !rows::applies(hd) {
+            return;
+        }
+        let qs: Vec<Vec<f32>> = (0..4)
+            .map(|r| crate::kernels::cpu::test_floats(hd, 30 + r))
+            .collect();
+        // consecutive prompt rows, a tile boundary between rows, sliding-window-like starts, one row
+        let cases: [&[(usize, usize)]; 4] = [
+            &[(5, 200), (5, 201), (5, 202), (5, 203)],
+            &[(5, 126), (5, 127), (5, 128), (5, 129)],
+            &[(70, 190), (71, 191), (140, 192), (150, 303)],
+            &[(9, 9)],
+        ];
+        for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
+            for ranges in cases {
+                let qr: Vec<&[f32]> = qs[..ranges.len()].iter().map(|q| q.as_slice()).collect();
+                let mut got: Vec<Vec<f32>> = (0..4).map(|_| vec![0f32; hd]).collect();
+                rows::tiled_rows(&qr, &heads, ranges, 0.07, isa, &mut got);
+                for (r, &(lo, pos)) in ranges.iter().enumerate() {
+                    let mut scratch = Scratch::new(hd);
+                    let mut want = vec![0f32; hd];
+                    tiled(qr[r], &heads, lo, pos, 0.07, isa, &mut scratch, &mut want);
+                    for (d, (x, y)) in got[r].iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            x.to_bits(),
+                            y.to_bits(),
+                            "{isa:?} {ranges:?} row {r} dim {d}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
