@@ -1,0 +1,445 @@
+//! The decode-shaped attention kernels over the paged f16 cache, read in place: ggml's
+//! `one_chunk` (f16 Q, `ggml_vec_dot_f16` scores, libm `expf`, an f16 V accumulator rounded after
+//! every multiply-add) and the split-KV decode that runs it per chunk and merges the partials.
+//! Invariant: every kernel here reproduces ggml's arithmetic bit for bit; the AVX2 forms are held
+//! to their scalar twins by the tests below.
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use super::{reduce16, GgmlIsa, Paged, Scratch};
+
+/// `ggml_compute_forward_flash_attn_ext_f16_one_chunk` for one head over the visible positions in
+/// `lo..=hi` (cells = positions), with `scratch.q16` set: leaves the unnormalised V sum in
+/// `scratch.acc` and returns (max score, softmax denominator) — (-inf, 0) if nothing is visible.
+#[inline(always)]
+pub(super) fn one_chunk(
+    heads: &Paged<'_>,
+    lo: usize,
+    hi: usize,
+    scale: f32,
+    isa: GgmlIsa,
+    scratch: &mut Scratch,
+) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar
+        && heads.hd % 64 == 0
+    {
+        // SAFETY: a non-scalar level means AVX2, FMA and F16C were detected; the head width is a
+        // multiple of 64 (checked), which is all the kernel asks beyond its own bounds checks.
+        return unsafe {
+            f16c::one_chunk(
+                heads,
+                lo,
+                hi,
+                scale,
+                isa,
+                &scratch.q16,
+                &mut scratch.steps,
+                &mut scratch.acc,
+            )
+        };
+    }
+    one_chunk_scalar(heads, lo, hi, scale, isa, scratch)
+}
+
+/// [`one_chunk`] one position at a time through the f16 accumulator in memory, as ggml runs it
+/// (the fallback, and the twin the two-pass kernel is tested against).
+#[inline(always)]
+fn one_chunk_scalar(
+    heads: &Paged<'_>,
+    lo: usize,
+    hi: usize,
+    scale: f32,
+    isa: GgmlIsa,
+    scratch: &mut Scratch,
+) -> (f32, f32) {
+    let mut m = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    scratch.acc16.iter_mut().for_each(|a| *a = f16::ZERO);
+    for p in lo..=hi {
+        let s = dot_f16(&scratch.q16, heads.k(p), isa) * scale;
+        let (mut ms, mut vs) = (1.0f32, 1.0f32);
+        if s > m {
+            ms = (m - s).exp();
+            m = s;
+            scale_f16(&mut scratch.acc16, ms);
+        } else {
+            vs = (s - m).exp();
+        }
+        mad_f16(&mut scratch.acc16, heads.v(p), vs);
+        // `S = S*ms + vs`, contracted to one FMA by GCC.
+        sum = sum.mul_add(ms, vs);
+    }
+    scratch.acc16.convert_to_f32_slice(&mut scratch.acc);
+    (m, sum)
+}
+
+/// `ggml_vec_scale_f16`: `y = f16(y · s)` per element (round to nearest even).
+#[inline(always)]
+fn scale_f16(y: &mut [f16], s: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar {
+        // SAFETY: a non-scalar level means AVX2, FMA and F16C were detected.
+        unsafe { f16c::scale(y, s) };
+        return;
+    }
+    for a in y.iter_mut() {
+        *a = f16::from_f32(a.to_f32() * s);
+    }
+}
+
+/// `ggml_vec_mad_f16`: `y = f16(fma(x, v, y))` per element (round to nearest even).
+#[inline(always)]
+fn mad_f16(y: &mut [f16], x: &[f16], v: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar {
+        // SAFETY: a non-scalar level means AVX2, FMA and F16C were detected.
+        unsafe { f16c::mad(y, x, v) };
+        return;
+    }
+    for (a, &xv) in y.iter_mut().zip(x) {
+        *a = f16::from_f32(xv.to_f32().mul_add(v, a.to_f32()));
+    }
+}
+
+/// The f16 accumulator steps eight lanes at a time with F16C conversions, which round exactly as
+/// the scalar `f16::from_f32` does (IEEE round to nearest even).
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// AVX2, FMA and F16C are available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scale(y: &mut [f16], s: f32) {
+        let n8 = y.len() - y.len() % 8;
+        let sv = _mm256_set1_ps(s);
+        for i in (0..n8).step_by(8) {
+            let p = y.as_mut_ptr().add(i).cast::<__m128i>();
+            let a = _mm256_cvtph_ps(_mm_loadu_si128(p));
+            let r = _mm256_mul_ps(a, sv);
+            _mm_storeu_si128(p, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+        }
+        for a in &mut y[n8..] {
+            *a = f16::from_f32(a.to_f32() * s);
+        }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C are available; `x.len() >= y.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn mad(y: &mut [f16], x: &[f16], v: f32) {
+        assert!(x.len() >= y.len());
+        let n8 = y.len() - y.len() % 8;
+        let vv = _mm256_set1_ps(v);
+        for i in (0..n8).step_by(8) {
+            let p = y.as_mut_ptr().add(i).cast::<__m128i>();
+            let a = _mm256_cvtph_ps(_mm_loadu_si128(p));
+            let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i).cast()));
+            let r = _mm256_fmadd_ps(xv, vv, a);
+            _mm_storeu_si128(p, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r));
+        }
+        for (a, &xv) in y[n8..].iter_mut().zip(&x[n8..]) {
+            *a = f16::from_f32(xv.to_f32().mul_add(v, a.to_f32()));
+        }
+    }
+
+    /// [`super::one_chunk`] in two passes with the same arithmetic: first every score and its
+    /// online-softmax factors `(ms, vs)` (scalar `expf`, as ggml), then the f16 V accumulator 64
+    /// values at a time in registers over all positions, each step rounded to f16 as
+    /// `ggml_vec_scale_f16` / `ggml_vec_mad_f16` round it (a scale by exactly 1 is the identity on
+    /// f16 values, so it is skipped). Leaves the V sum in `acc`, returns (max, sum).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn one_chunk(
+        heads: &super::Paged<'_>,
+        lo: usize,
+        hi: usize,
+        scale: f32,
+        isa: super::GgmlIsa,
+        q16: &[f32],
+        steps: &mut Vec<(f32, f32)>,
+        acc: &mut [f32],
+    ) -> (f32, f32) {
+        let hd = heads.hd;
+        assert!(hd % 64 == 0 && q16.len() == hd && acc.len() == hd);
+        let mut m = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        steps.clear();
+        for p in lo..=hi {
+            let s = dot(q16, heads.k(p), isa) * scale;
+            let (mut ms, mut vs) = (1.0f32, 1.0f32);
+            if s > m {
+                ms = (m - s).exp();
+                m = s;
+            } else {
+                vs = (s - m).exp();
+            }
+            steps.push((ms, vs));
+            sum = sum.mul_add(ms, vs);
+        }
+        let r16 = |x: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+        for d0 in (0..hd).step_by(64) {
+            let mut a = [_mm256_setzero_ps(); 8];
+            for (p, &(ms, vs)) in (lo..=hi).zip(steps.iter()) {
+                if ms != 1.0 {
+                    let mv = _mm256_set1_ps(ms);
+                    for x in a.iter_mut() {
+                        *x = r16(_mm256_mul_ps(*x, mv));
+                    }
+                }
+                let v = heads.v(p)[d0..d0 + 64].as_ptr();
+                let vv = _mm256_set1_ps(vs);
+                for (j, x) in a.iter_mut().enumerate() {
+                    let w = _mm256_cvtph_ps(_mm_loadu_si128(v.add(8 * j).cast()));
+                    *x = r16(_mm256_fmadd_ps(w, vv, *x));
+                }
+            }
+            for (j, x) in a.iter().enumerate() {
+                _mm256_storeu_ps(acc.as_mut_ptr().add(d0 + 8 * j), *x);
+            }
+        }
+        (m, sum)
+    }
+
+    /// [`super::dot_f16`] with the second row in f16, widened eight lanes at a time (exact): the
+    /// same FMA chains, folds and reductions.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available; `y.len() >= x.len()`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot(x: &[f32], y: &[f16], isa: super::GgmlIsa) -> f32 {
+        let n = x.len();
+        assert!(y.len() >= n);
+        let lx = |i: usize| _mm256_loadu_ps(x.as_ptr().add(i));
+        let ly = |i: usize| _mm256_cvtph_ps(_mm_loadu_si128(y.as_ptr().add(i).cast()));
+        let fold =
+            |a: &[__m256; 4]| _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+        let (np, mut sum) = match isa {
+            super::GgmlIsa::Avx2 => {
+                let np = n - n % 32;
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for i in (0..np).step_by(32) {
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(lx(i + 8 * j), ly(i + 8 * j), *a);
+                    }
+                }
+                let s = fold(&acc);
+                let t0 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+                let t: [f32; 4] = std::mem::transmute(t0);
+                (np, ((t[0] + t[1]) + (t[2] + t[3])) as f64)
+            }
+            super::GgmlIsa::Avx512 => {
+                // 16-lane accumulators as (low, high) halves
+                let np = n - n % 64;
+                let mut lo = [_mm256_setzero_ps(); 4];
+                let mut hi = [_mm256_setzero_ps(); 4];
+                for i in (0..np).step_by(64) {
+                    for j in 0..4 {
+                        let b = i + 16 * j;
+                        lo[j] = _mm256_fmadd_ps(lx(b), ly(b), lo[j]);
+                        hi[j] = _mm256_fmadd_ps(lx(b + 8), ly(b + 8), hi[j]);
+                    }
+                }
+                // reduce16: t3 = high + low halves, t6 = folded again, (t6[0]+t6[2]) + (t6[1]+t6[3])
+                let t3 = _mm256_add_ps(fold(&hi), fold(&lo));
+                let t6 = _mm_add_ps(_mm256_extractf128_ps::<1>(t3), _mm256_castps256_ps128(t3));
+                let t: [f32; 4] = std::mem::transmute(t6);
+                (np, ((t[0] + t[2]) + (t[1] + t[3])) as f64)
+            }
+        };
+        for i in np..n {
+            sum += (x[i] * y[i].to_f32()) as f64;
+        }
+        sum as f32
+    }
+}
+
+/// ggml's split-KV decode: one_chunk per chunk of `chunk` cells of `0..n_kv`, then
+/// `ggml_flash_attn_ext_reduce_partials` (its multiply-adds fused as GCC compiles them).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn split_kv(
+    heads: &Paged<'_>,
+    lo: usize,
+    pos: usize,
+    scale: f32,
+    isa: GgmlIsa,
+    chunk: usize,
+    n_kv: usize,
+    scratch: &mut Scratch,
+    res: &mut [f32],
+) {
+    let mut m_final = f32::NEG_INFINITY;
+    let mut s_final = 0f32;
+    scratch.merged.iter_mut().for_each(|v| *v = 0.0);
+    for c0 in (0..n_kv).step_by(chunk) {
+        let c1 = (c0 + chunk).min(n_kv) - 1;
+        let (a, b) = (lo.max(c0), pos.min(c1));
+        if a > b {
+            continue; // nothing visible: S == 0, skipped by the reduction
+        }
+        let (m_c, s_c) = one_chunk(heads, a, b, scale, isa, scratch);
+        if s_c == 0.0 {
+            continue;
+        }
+        let m_new = m_final.max(m_c);
+        let scale_old = (m_final - m_new).exp();
+        let scale_new = (m_c - m_new).exp();
+        for (f, &v) in scratch.merged.iter_mut().zip(&scratch.acc) {
+            *f = f.mul_add(scale_old, v * scale_new);
+        }
+        s_final = s_final.mul_add(scale_old, s_c * scale_new);
+        m_final = m_new;
+    }
+    let inv = if s_final != 0.0 { 1.0 / s_final } else { 1.0 };
+    for (r, &v) in res.iter_mut().zip(&scratch.merged) {
+        *r = v * inv;
+    }
+}
+
+/// `ggml_vec_dot_f16` of two f16-valued rows (given widened to f32): per step of 4 vectors, one FMA
+/// accumulator per vector (8 lanes on AVX2, 16 on AVX-512), accumulators folded pairwise, lanes
+/// reduced as that build does; a tail past the last whole step is added in f64, in order.
+#[inline(always)]
+fn dot_f16(x: &[f32], y: &[f16], isa: GgmlIsa) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar {
+        // SAFETY: a non-scalar level means AVX2, FMA and F16C were detected; `y` is a cache row
+        // as long as the query row `x`.
+        return unsafe { f16c::dot(x, y, isa) };
+    }
+    let y: Vec<f32> = y.iter().map(|v| v.to_f32()).collect();
+    dot_f16_wide(x, &y, isa)
+}
+
+/// [`dot_f16`] of two rows given widened to f32 (the scalar form, and the twin the tests hold the
+/// F16C kernel to).
+#[inline(always)]
+fn dot_f16_wide(x: &[f32], y: &[f32], isa: GgmlIsa) -> f32 {
+    let n = x.len();
+    match isa {
+        GgmlIsa::Avx2 => {
+            let np = n - n % 32;
+            let mut acc = [[0f32; 8]; 4];
+            for i in (0..np).step_by(32) {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let b = i + 8 * j;
+                    for l in 0..8 {
+                        a[l] = x[b + l].mul_add(y[b + l], a[l]);
+                    }
+                }
+            }
+            let s: [f32; 8] =
+                std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]));
+            // GGML_F32x8_REDUCE: 128-bit halves added, then two horizontal adds.
+            let t0: [f32; 4] = std::array::from_fn(|i| s[i] + s[i + 4]);
+            let mut sum = ((t0[0] + t0[1]) + (t0[2] + t0[3])) as f64;
+            for i in np..n {
+                sum += (x[i] * y[i]) as f64;
+            }
+            sum as f32
+        }
+        GgmlIsa::Avx512 => {
+            let np = n - n % 64;
+            let mut acc = [[0f32; 16]; 4];
+            for i in (0..np).step_by(64) {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let b = i + 16 * j;
+                    for l in 0..16 {
+                        a[l] = x[b + l].mul_add(y[b + l], a[l]);
+                    }
+                }
+            }
+            let s: [f32; 16] =
+                std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]));
+            let mut sum = reduce16(&s) as f64;
+            for i in np..n {
+                sum += (x[i] * y[i]) as f64;
+            }
+            sum as f32
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_f16_matches_plain_sum_on_exact_values() {
+        // Small integers: every order gives the exact result, for both builds and with a tail.
+        let x: Vec<f32> = (0..70).map(|i| (i % 7) as f32 - 3.0).collect();
+        let y: Vec<f32> = (0..70).map(|i| (i % 5) as f32 - 2.0).collect();
+        let want: f32 = x.iter().zip(&y).map(|(a, b)| a * b).sum();
+        assert_eq!(dot_f16_wide(&x, &y, GgmlIsa::Avx2), want);
+        assert_eq!(dot_f16_wide(&x, &y, GgmlIsa::Avx512), want);
+    }
+
+    #[test]
+    fn two_pass_one_chunk_equals_the_scalar_twin() {
+        let hd = 128;
+        let (bs, kvd, n): (usize, usize, usize) = (32, 2 * hd, 300);
+        let f = |seed: u32, k: usize, mul: f32| -> Vec<f16> {
+            crate::kernels::cpu::test_floats(k, seed)
+                .iter()
+                .map(|&v| f16::from_f32(v * mul))
+                .collect()
+        };
+        let cells = n.div_ceil(bs) * bs;
+        let (k, v) = (f(3, cells * kvd, 1.5), f(4, cells * kvd, 2.0));
+        // blocks out of order, as a paged cache hands them out
+        let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
+        let heads = Paged {
+            k: &k,
+            v: &v,
+            table: &table,
+            bs,
+            kvd,
+            off: hd,
+            hd,
+        };
+        let q = crate::kernels::cpu::test_floats(hd, 7);
+        for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
+            for (lo, hi) in [(0, 0), (0, 299), (17, 140), (250, 299)] {
+                let mut a = Scratch::new(hd);
+                a.set_q16(&q);
+                let mut b = Scratch::new(hd);
+                b.set_q16(&q);
+                let want = one_chunk_scalar(&heads, lo, hi, 0.09, isa, &mut a);
+                let got = one_chunk(&heads, lo, hi, 0.09, isa, &mut b);
+                assert_eq!(
+                    (got.0.to_bits(), got.1.to_bits()),
+                    (want.0.to_bits(), want.1.to_bits())
+                );
+                for (x, y) in b.acc.iter().zip(&a.acc) {
+                    assert_eq!(x.to_bits(), y.to_bits(), "{isa:?} {lo}..={hi}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dot_f16_on_cache_rows_equals_widened_twin() {
+        let xs = crate::kernels::cpu::test_floats(300, 5);
+        let ys: Vec<f16> = crate::kernels::cpu::test_floats(300, 9)
+            .iter()
+            .map(|&v| f16::from_f32(v * 3.0))
+            .collect();
+        for n in [128, 256, 70, 300, 8] {
+            // q rounded to f16 as the kernel sees it
+            let x: Vec<f32> = xs[..n].iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+            let yw: Vec<f32> = ys[..n].iter().map(|v| v.to_f32()).collect();
+            for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
+                let (got, want) = (dot_f16(&x, &ys[..n], isa), dot_f16_wide(&x, &yw, isa));
+                assert_eq!(got.to_bits(), want.to_bits(), "{isa:?} n={n}: {got} {want}");
+            }
+        }
+    }
+}
