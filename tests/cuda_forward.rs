@@ -51,6 +51,10 @@ fn convert(src: &Path, name: &str, ty: &str) -> PathBuf {
 fn check(path: &Path, what: &str, tol: f32) {
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 500).collect();
     let r = check_forward::forward(cuda_emu::emulator(), path, &prompt, 3).unwrap();
+    report(r, what, tol);
+}
+
+fn report(r: check_forward::ForwardCheck, what: &str, tol: f32) {
     let rel = r.max_diff / r.scale;
     eprintln!(
         "{what}: {} rows, max |Δlogit| {:.3e} of max |logit| {:.3} ({rel:.2e}), argmax differs in {} rows, cpu {:.2}s emulated {:.2}s",
@@ -232,4 +236,14 @@ fn synthetic_llama_k_quants() {
         QUANTIZED_TOL,
     );
     check(&convert(&src, "llama-256", "f16"), "llama-256 f16", 1e-3);
+}
+
+/// `--gpu-layers 1` of 2: layer 0 (and the embedding lookup's result) on the emulated GPU, layer 1
+/// and the head on the CPU; the residual stream moves between devices mid-forward.
+#[test]
+fn split_across_devices_matches_the_cpu() {
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 500).collect();
+    let path = convert(&fixture("qwen2"), "qwen2", "f32");
+    let r = check_forward::forward_split(cuda_emu::emulator(), &path, &prompt, 3, 1).unwrap();
+    report(r, "qwen2 f32, 1 of 2 layers on CUDA", 1e-3);
 }

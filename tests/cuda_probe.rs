@@ -1,13 +1,13 @@
 //! Device detection never panics and explains itself: with a fake `libcuda.so.1` whose `cuInit`
 //! reports no device (built here from tests/fixtures/cuda/fake_libcuda.c with the `cc` crate's
-//! compiler, put first on LD_LIBRARY_PATH of a child process), the probe returns an error naming
-//! the cause, and `infer run --device auto` falls back to the CPU with one stderr line while
-//! `--device cuda` fails cleanly (exit 1, `infer:` message).
+//! compiler, put first on LD_LIBRARY_PATH of the real binary), `infer run --device auto` falls
+//! back to the CPU with one stderr line saying why, `--device cuda` and `infer selftest` fail
+//! cleanly (exit 1, `infer:` message, no panic).
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
 
 use infer::kernels::cuda::driver;
 
@@ -39,46 +39,60 @@ fn fake_driver_dir() -> PathBuf {
     dir
 }
 
-/// The child half: runs the probe and prints its outcome.
-#[test]
-fn probe_child() {
-    if std::env::var_os("INFER_PROBE_CHILD").is_none() {
-        return; // only meaningful inside probe_reports_no_device_through_a_fake_driver
-    }
-    match driver::probe() {
-        Ok(d) => println!(
-            "PROBE ok {}",
-            infer::kernels::cuda::launch::Launch::describe(&*d)
-        ),
-        Err(e) => println!("PROBE err {e:#}"),
-    }
+/// Runs the real binary with the fake driver first on the library path.
+fn infer_with_fake_driver(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_infer"))
+        .args(args)
+        .env("LD_LIBRARY_PATH", dir)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
 }
 
 #[test]
-fn probe_reports_no_device_through_a_fake_driver() {
+fn no_device_falls_back_to_the_cpu_or_fails_cleanly() {
     let dir = fake_driver_dir();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "probe_child",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("INFER_PROBE_CHILD", "1")
-        .env("LD_LIBRARY_PATH", &dir)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let m = common::model(common::GEMMA);
+    let m = m.to_str().unwrap();
+    let run = |device: &str| {
+        let args = [
+            "run", "-m", m, "-p", "Hello", "-n", "3", "--temp", "0", "--device", device,
+        ];
+        infer_with_fake_driver(&dir, &args)
+    };
+    let cpu = run("cpu");
+    assert!(cpu.status.success(), "{}", common::stderr(&cpu));
     assert!(
-        out.status.success(),
-        "child failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+        !common::stderr(&cpu).contains("CUDA"),
+        "{}",
+        common::stderr(&cpu)
     );
+
+    // auto: one line saying why, then the same output as --device cpu
+    let auto = run("auto");
+    let err = common::stderr(&auto);
+    assert!(auto.status.success(), "{err}");
+    let why: Vec<&str> = err.lines().filter(|l| l.contains("CUDA")).collect();
+    assert_eq!(
+        why,
+        ["infer: running on the CPU: CUDA driver init failed: CUDA_ERROR_NO_DEVICE"],
+        "{err}"
+    );
+    assert_eq!(auto.stdout, cpu.stdout);
+
+    // cuda: an error, exit 1, no panic
+    let cuda = run("cuda");
+    let err = common::stderr(&cuda);
+    assert_eq!(cuda.status.code(), Some(1), "{err}");
+    assert!(err.starts_with("infer: --device cuda: no usable CUDA device: CUDA driver init failed: CUDA_ERROR_NO_DEVICE"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+
+    let st = infer_with_fake_driver(&dir, &["selftest"]);
+    let err = common::stderr(&st);
+    assert_eq!(st.status.code(), Some(1), "{err}");
     assert!(
-        stdout.contains("PROBE err CUDA driver init failed")
-            && stdout.contains("CUDA_ERROR_NO_DEVICE"),
-        "{stdout}"
+        err.contains("selftest needs a usable CUDA device: CUDA driver init failed"),
+        "{err}"
     );
 }
 

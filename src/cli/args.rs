@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::cli::UsageError;
 use infer::engine::sampler::SamplerConfig;
@@ -17,8 +17,22 @@ pub struct Cli {
     /// Print nothing on stderr but errors (no load line, speeds, notes or progress bars)
     #[arg(short, long, global = true)]
     pub quiet: bool,
+    /// Where to compute: auto (a CUDA GPU when one is usable, else the CPU), cpu, or cuda
+    #[arg(long, global = true, value_enum, value_name = "DEVICE")]
+    pub device: Option<Device>,
+    /// With CUDA: run only the first N layers on the GPU and the rest on the CPU (default: all)
+    #[arg(long, global = true, value_name = "N")]
+    pub gpu_layers: Option<usize>,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// `--device`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    Auto,
+    Cpu,
+    Cuda,
 }
 
 #[derive(Subcommand, Debug)]
@@ -35,6 +49,8 @@ pub enum Command {
     Models,
     /// Convert a Hugging Face checkpoint to GGUF, or re-quantize a GGUF file
     Quantize(QuantizeArgs),
+    /// Check the CUDA kernels and a whole forward pass against the CPU backend (needs a GPU)
+    Selftest(SelftestArgs),
 }
 
 #[derive(Args, Debug)]
@@ -199,6 +215,16 @@ pub struct TokenizeArgs {
     /// Read one JSON string per stdin line; write one JSON array of ids per line
     #[arg(long, conflicts_with = "text")]
     pub jsonl: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct SelftestArgs {
+    /// Also compare a whole forward pass of this model (a path or alias)
+    #[arg(short, long, value_name = "FILE|ALIAS")]
+    pub model: Option<PathBuf>,
+    /// Prompt tokens of the forward comparison
+    #[arg(long, default_value_t = 48)]
+    pub tokens: usize,
 }
 
 #[derive(Args, Debug)]

@@ -77,7 +77,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let model_bytes = loaded.gguf.file_size();
     let mut rng = Tokens(0x9E37_79B9_7F4A_7C15);
     let buf = BandwidthBuffer::new(512 << 20);
-    let pool = &runner.model.backend.pool;
+    let pool = &runner.model.backend.cpu.pool;
     buf.read_once(pool); // warm the pages
     let mut bandwidth = Summary {
         name: "bandwidth".into(),
@@ -127,7 +127,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
         bandwidth
             .runs
-            .push(buf.read_once(&runner.model.backend.pool) / 1e9);
+            .push(buf.read_once(&runner.model.backend.cpu.pool) / 1e9);
         if a.n_gen > 0 {
             let mut seq = fresh(&mut runner, &mut rng)?;
             let t0 = Instant::now();

@@ -35,7 +35,7 @@ use infer::chat::{fallback_render, ChatTemplate, Conversation, Message, FALLBACK
 use infer::engine::generate::{generate, GenParams, StopReason};
 use infer::engine::runner::{Runner, Sequence};
 use infer::format::Gguf;
-use infer::kernels::cpu::backend::CpuBackend;
+use infer::kernels::cuda::device::DeviceBackend;
 use infer::tokenizer::Tokenizer;
 
 /// The template to use: `--chat-template FILE`, else the model's; `None` (after saying so on
@@ -134,7 +134,7 @@ struct TurnStats {
 }
 
 struct Session {
-    runner: Runner<CpuBackend>,
+    runner: Runner<DeviceBackend>,
     tok: Tokenizer,
     template: Option<ChatTemplate>,
     conv: Conversation,

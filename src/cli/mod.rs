@@ -10,6 +10,7 @@ mod models;
 mod progress;
 mod quantize;
 mod run;
+mod selftest;
 mod tokenize;
 
 use std::process::ExitCode;
@@ -66,6 +67,7 @@ pub fn main() -> ExitCode {
         }
     };
     QUIET.store(cli.quiet, Ordering::Relaxed);
+    load::set_device(cli.device, cli.gpu_layers);
     let result = match cli.command {
         Command::Run(a) if a.batch_file.is_some() => batch::batch(a),
         Command::Run(a) => run::run(a),
@@ -74,6 +76,7 @@ pub fn main() -> ExitCode {
         Command::Bench(a) => bench::bench(a),
         Command::Models => models::list(),
         Command::Quantize(a) => quantize::quantize(a),
+        Command::Selftest(a) => selftest::selftest(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

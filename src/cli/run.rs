@@ -12,7 +12,7 @@ use anyhow::Result;
 use serde_json::{json, Value};
 
 use crate::cli::args::RunArgs;
-use crate::cli::load::{load, Loaded};
+use crate::cli::load::{load, load_cpu, Loaded};
 use crate::cli::tokenize::read_stdin_text;
 use crate::cli::{note, progress, UsageError};
 use infer::engine::generate::{generate_with, GenHooks, GenParams, TokenEvent};
@@ -242,7 +242,7 @@ fn speculator(a: &RunArgs, tok: &Tokenizer, n_layer: usize) -> Result<Option<Spe
         Method::Lookup(infer::engine::speculative::PromptLookup::new(s.lookup))
     } else if let Some(path) = &s.draft_model {
         let loaded = progress::with_spinner(format!("loading {}", path.display()), || {
-            load(path, a.model.threads, a.ctx)
+            load_cpu(path, a.model.threads, a.ctx)
         })?;
         check_vocab(tok, &loaded.tokenizer)
             .map_err(|e| UsageError(format!("--draft-model {}: {e:#}", path.display())))?;

@@ -77,6 +77,13 @@ impl CudaBackend {
         &self.l
     }
 
+    /// Overwrites `a` with host rows (`a.rows * a.cols` values).
+    pub fn upload(&self, a: &mut CudaAct, data: &[f32]) {
+        assert_eq!(data.len(), a.rows * a.cols, "upload: shape");
+        let bytes = super::launch::f32_bytes(data);
+        ok("uploading an activation", self.l.upload(a.buf.ptr, &bytes))
+    }
+
     /// A device address of scratch buffer `which` holding at least `bytes`.
     fn scratch(&self, which: usize, bytes: usize) -> Result<u64> {
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());

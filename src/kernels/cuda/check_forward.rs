@@ -12,6 +12,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 
 use super::backend::CudaBackend;
+use super::device::DeviceBackend;
 use super::launch::Launch;
 use crate::engine::runner::{Runner, Sequence, BLOCK_SIZE};
 use crate::format::Gguf;
@@ -79,12 +80,42 @@ fn run<B: Backend>(
     Ok((rows, chosen))
 }
 
-/// The check on the model at `path` (prompt token ids must be inside its vocabulary).
+/// The check on the model at `path` with every layer on the CUDA backend over `l` (prompt token
+/// ids must be inside its vocabulary).
 pub fn forward(
     l: Arc<dyn Launch>,
     path: &Path,
     prompt: &[u32],
     steps: usize,
+) -> Result<ForwardCheck> {
+    compare(path, prompt, steps, |_| Ok(CudaBackend::new(l)))
+}
+
+/// The same with only the first `gpu_layers` layers on CUDA and the rest on the CPU
+/// (`--gpu-layers`: the residual stream crosses devices inside the forward pass).
+pub fn forward_split(
+    l: Arc<dyn Launch>,
+    path: &Path,
+    prompt: &[u32],
+    steps: usize,
+    gpu_layers: usize,
+) -> Result<ForwardCheck> {
+    compare(path, prompt, steps, |cfg| {
+        let cuda = CudaBackend::new(l);
+        Ok(DeviceBackend::hybrid(
+            CpuBackend::new(2),
+            cuda,
+            gpu_layers,
+            cfg.n_layer,
+        ))
+    })
+}
+
+fn compare<B: Backend>(
+    path: &Path,
+    prompt: &[u32],
+    steps: usize,
+    make: impl FnOnce(&ModelConfig) -> Result<B>,
 ) -> Result<ForwardCheck> {
     let g = Arc::new(Gguf::open(path).with_context(|| format!("reading {}", path.display()))?);
     let n_ctx = (prompt.len() + steps + 1).next_multiple_of(BLOCK_SIZE);
@@ -92,10 +123,11 @@ pub fn forward(
     let t = Instant::now();
     let (want, tokens) = run(&mut cpu, prompt, steps, None)?;
     let cpu_secs = t.elapsed().as_secs_f64();
-    let mut gpu = runner(&g, CudaBackend::new(Arc::clone(&l)), n_ctx)?;
-    l.sync()?;
+    let backend = make(&ModelConfig::from_gguf(&g)?)?;
+    let mut gpu = runner(&g, backend, n_ctx)?;
     let t = Instant::now();
     let (got, _) = run(&mut gpu, prompt, steps, Some(&tokens))?;
+    // Reading the logits back waited for every kernel.
     let cuda_secs = t.elapsed().as_secs_f64();
     let (mut max_diff, mut scale, mut argmax_differs) = (0f32, 0f32, 0);
     for (a, b) in want.iter().zip(&got) {

@@ -1,0 +1,74 @@
+//! `infer selftest`: on a machine with a CUDA GPU, runs every kernel check of
+//! `kernels::cuda::check` (the ones the tests run on the CPU emulator) on the real device, and
+//! optionally a whole forward pass of a model on both backends, and prints a pass/fail table with
+//! timings on stdout. Exit status 1 if any check fails or no device is usable.
+
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Result};
+
+use crate::cli::args::SelftestArgs;
+use infer::format::{GgmlType, Gguf};
+use infer::kernels::cuda::launch::Launch;
+use infer::kernels::cuda::{check, check_forward, driver};
+use infer::model::ModelConfig;
+
+pub fn selftest(a: SelftestArgs) -> Result<()> {
+    let driver =
+        driver::probe().map_err(|e| anyhow!("selftest needs a usable CUDA device: {e:#}"))?;
+    let l: Arc<dyn Launch> = driver;
+    println!("device: {}", l.describe());
+    println!(
+        "{:<6} {:<18} {:<60} {:>10} {:>8} {:>10}",
+        "result", "kernel", "shape", "error", "tol", "time"
+    );
+    let checks = check::run_all(&l)?;
+    let mut failed = 0;
+    for c in &checks {
+        failed += !c.pass() as usize;
+        println!(
+            "{:<6} {:<18} {:<60} {:>10.2e} {:>8.0e} {:>8.3}ms",
+            if c.pass() { "PASS" } else { "FAIL" },
+            c.kernel,
+            c.shape,
+            c.err,
+            c.tol,
+            c.secs * 1e3
+        );
+    }
+    let mut total = checks.len();
+    if let Some(m) = &a.model {
+        let path = crate::cli::models::resolve(m)?;
+        let g = Gguf::open(&path).map_err(|e| anyhow!("reading {}: {e:#}", path.display()))?;
+        let vocab = ModelConfig::from_gguf(&g)?.vocab_size as u32;
+        let float_only = g
+            .tensors
+            .iter()
+            .all(|t| matches!(t.ty, GgmlType::F32 | GgmlType::F16));
+        // As tests/cuda_forward.rs: the backends quantize activations differently.
+        let tol = if float_only { 1e-3 } else { 0.04 };
+        let prompt: Vec<u32> = (0..a.tokens as u32).map(|i| (i * 37 + 5) % vocab).collect();
+        let r = check_forward::forward(Arc::clone(&l), &path, &prompt, 4)?;
+        let rel = (r.max_diff / r.scale) as f64;
+        let pass = rel <= tol;
+        failed += !pass as usize;
+        total += 1;
+        println!(
+            "{:<6} {:<18} {:<60} {:>10.2e} {:>8.0e} {:>8.1}ms  (cpu {:.1}ms, argmax differs in {} of {} rows)",
+            if pass { "PASS" } else { "FAIL" },
+            "forward",
+            format!("{}: {} prompt + 4 decode (rel. to max logit)", path.display(), a.tokens),
+            rel,
+            tol,
+            r.cuda_secs * 1e3,
+            r.cpu_secs * 1e3,
+            r.argmax_differs,
+            r.rows
+        );
+    }
+    if failed > 0 {
+        bail!("{failed} of {total} CUDA checks failed");
+    }
+    println!("all {total} checks passed");
+    Ok(())
+}

@@ -1,0 +1,410 @@
+//! The backend the CLI runs: the CPU backend, plus optionally the CUDA backend for the first
+//! `gpu_layers` transformer layers (llama.cpp's `-ngl`; with every layer, the embedding table and
+//! output head too). A weight lives on the device of its layer (from its `blk.N.` name); norm
+//! vectors are tiny and live on both. Each op runs where its weight or KV layer lives, else where
+//! its main input lives; an input on the other device is copied over for the op, and an in-place
+//! target or an output buffer is moved (once: the residual stream crosses at the layer boundary
+//! and stays). With no CUDA layers this is the CPU backend plus one match per op.
+
+use std::ops::Deref;
+
+use anyhow::Result;
+
+use super::backend::{CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight};
+use crate::kernels::cpu::backend::{CpuAct, CpuBackend, CpuKv, CpuWeight};
+use crate::model::backend::{
+    AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+};
+use crate::model::config::Activation;
+
+pub struct DeviceBackend {
+    pub cpu: CpuBackend,
+    pub cuda: Option<CudaBackend>,
+    /// Layers `0..gpu_layers` run on CUDA (0 without CUDA).
+    pub gpu_layers: usize,
+    pub n_layer: usize,
+}
+
+pub enum DevWeight {
+    Cpu(CpuWeight),
+    Cuda(CudaWeight),
+}
+
+/// A norm vector or bias: on the host always, on the GPU too when CUDA is used.
+pub struct DevVec {
+    host: Vec<f32>,
+    gpu: Option<CudaVec>,
+}
+
+pub enum DevAct {
+    Cpu(CpuAct),
+    Cuda(CudaAct),
+}
+
+pub struct DevKv {
+    cpu: Option<CpuKv>,
+    cuda: Option<CudaKv>,
+}
+
+/// A borrowed value or a converted copy.
+enum Held<'a, T> {
+    B(&'a T),
+    O(T),
+}
+
+impl<T> Deref for Held<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        match self {
+            Held::B(t) => t,
+            Held::O(t) => t,
+        }
+    }
+}
+
+/// The layer a tensor name belongs to (`blk.N.…`), if any.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}
+
+impl DeviceBackend {
+    pub fn cpu_only(cpu: CpuBackend) -> DeviceBackend {
+        DeviceBackend {
+            cpu,
+            cuda: None,
+            gpu_layers: 0,
+            n_layer: 0,
+        }
+    }
+
+    /// CUDA for layers `0..gpu_layers` (clamped to `n_layer`) of an `n_layer`-layer model.
+    pub fn hybrid(
+        cpu: CpuBackend,
+        cuda: CudaBackend,
+        gpu_layers: usize,
+        n_layer: usize,
+    ) -> DeviceBackend {
+        let gpu_layers = gpu_layers.min(n_layer);
+        DeviceBackend {
+            cpu,
+            cuda: Some(cuda),
+            gpu_layers,
+            n_layer,
+        }
+    }
+
+    fn on_gpu(&self, layer: Option<usize>) -> bool {
+        self.cuda.is_some()
+            && match layer {
+                Some(l) => l < self.gpu_layers,
+                None => self.gpu_layers >= self.n_layer,
+            }
+    }
+
+    fn gpu(&self) -> &CudaBackend {
+        self.cuda
+            .as_ref()
+            .expect("a CUDA value exists only with a CUDA backend")
+    }
+
+    fn to_gpu<'a>(&self, a: &'a DevAct) -> Held<'a, CudaAct> {
+        match a {
+            DevAct::Cuda(x) => Held::B(x),
+            DevAct::Cpu(x) => {
+                let mut y = self.gpu().act(x.rows, x.cols);
+                self.gpu().upload(&mut y, &x.data);
+                Held::O(y)
+            }
+        }
+    }
+
+    fn to_cpu<'a>(&self, a: &'a DevAct) -> Held<'a, CpuAct> {
+        match a {
+            DevAct::Cpu(x) => Held::B(x),
+            DevAct::Cuda(x) => Held::O(CpuAct {
+                data: self.gpu().to_host(x),
+                rows: x.rows,
+                cols: x.cols,
+            }),
+        }
+    }
+
+    /// Moves `a` (contents included) to the GPU or the CPU.
+    fn place(&self, a: &mut DevAct, gpu: bool) {
+        let moved = match (&*a, gpu) {
+            (DevAct::Cpu(_), true) => DevAct::Cuda(match self.to_gpu(a) {
+                Held::O(y) => y,
+                Held::B(_) => unreachable!(),
+            }),
+            (DevAct::Cuda(_), false) => DevAct::Cpu(match self.to_cpu(a) {
+                Held::O(y) => y,
+                Held::B(_) => unreachable!(),
+            }),
+            _ => return,
+        };
+        *a = moved;
+    }
+
+    /// `out` as a GPU (or CPU) buffer of the same shape; contents are not kept.
+    fn out_gpu<'a>(&self, out: &'a mut DevAct) -> &'a mut CudaAct {
+        if let DevAct::Cpu(x) = out {
+            *out = DevAct::Cuda(self.gpu().act(x.rows, x.cols));
+        }
+        match out {
+            DevAct::Cuda(x) => x,
+            DevAct::Cpu(_) => unreachable!(),
+        }
+    }
+
+    fn out_cpu<'a>(&self, out: &'a mut DevAct) -> &'a mut CpuAct {
+        if let DevAct::Cuda(x) = out {
+            *out = DevAct::Cpu(self.cpu.act(x.rows, x.cols));
+        }
+        match out {
+            DevAct::Cpu(x) => x,
+            DevAct::Cuda(_) => unreachable!(),
+        }
+    }
+
+    fn is_gpu(a: &DevAct) -> bool {
+        matches!(a, DevAct::Cuda(_))
+    }
+
+    fn vec_gpu<'a>(&self, v: &'a DevVec) -> &'a CudaVec {
+        v.gpu
+            .as_ref()
+            .expect("vectors are uploaded when CUDA is used")
+    }
+}
+
+impl Backend for DeviceBackend {
+    type Weight = DevWeight;
+    type Vector = DevVec;
+    type Act = DevAct;
+    type Kv = DevKv;
+
+    fn name(&self) -> &'static str {
+        match (self.cuda.is_some(), self.gpu_layers >= self.n_layer) {
+            (false, _) => "cpu",
+            (true, true) => "cuda",
+            (true, false) => "cuda+cpu",
+        }
+    }
+
+    fn set_row_invariant(&self, on: bool) {
+        self.cpu.set_row_invariant(on);
+    }
+
+    fn load_weight(&self, src: &WeightSource<'_>) -> Result<DevWeight> {
+        Ok(match self.on_gpu(layer_of(src.name)) {
+            true => DevWeight::Cuda(self.gpu().load_weight(src)?),
+            false => DevWeight::Cpu(self.cpu.load_weight(src)?),
+        })
+    }
+
+    fn load_vector(&self, data: &[f32]) -> Result<DevVec> {
+        let gpu = match &self.cuda {
+            Some(c) => Some(c.load_vector(data)?),
+            None => None,
+        };
+        Ok(DevVec {
+            host: data.to_vec(),
+            gpu,
+        })
+    }
+
+    fn alloc_kv(
+        &self,
+        n_layer: usize,
+        n_blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+        kv_type: KvType,
+    ) -> Result<DevKv> {
+        let g = self.gpu_layers.min(n_layer);
+        let cuda = match &self.cuda {
+            Some(c) if g > 0 => Some(c.alloc_kv(g, n_blocks, block_size, kv_dim, kv_type)?),
+            _ => None,
+        };
+        let cpu = if g < n_layer {
+            let mut kv = self
+                .cpu
+                .alloc_kv(n_layer, n_blocks, block_size, kv_dim, kv_type)?;
+            // The GPU layers' host storage is never used.
+            for l in 0..g.min(kv.k.len()) {
+                kv.k[l] = Vec::new();
+                kv.v[l] = Vec::new();
+            }
+            Some(kv)
+        } else {
+            None
+        };
+        Ok(DevKv { cpu, cuda })
+    }
+
+    fn act(&self, rows: usize, cols: usize) -> DevAct {
+        match self.on_gpu(Some(0)) {
+            true => DevAct::Cuda(self.gpu().act(rows, cols)),
+            false => DevAct::Cpu(self.cpu.act(rows, cols)),
+        }
+    }
+
+    fn rows(&self, x: &DevAct) -> usize {
+        match x {
+            DevAct::Cpu(x) => x.rows,
+            DevAct::Cuda(x) => x.rows,
+        }
+    }
+
+    fn embed(&self, table: &DevWeight, tokens: &[u32], scale: f32, out: &mut DevAct) {
+        match table {
+            DevWeight::Cpu(t) => self.cpu.embed(t, tokens, scale, self.out_cpu(out)),
+            DevWeight::Cuda(t) => self.gpu().embed(t, tokens, scale, self.out_gpu(out)),
+        }
+    }
+
+    fn rms_norm(&self, x: &DevAct, w: &DevVec, eps: f32, out: &mut DevAct) {
+        match x {
+            DevAct::Cpu(x) => self.cpu.rms_norm(x, &w.host, eps, self.out_cpu(out)),
+            DevAct::Cuda(x) => self
+                .gpu()
+                .rms_norm(x, self.vec_gpu(w), eps, self.out_gpu(out)),
+        }
+    }
+
+    fn rms_norm_inplace(&self, x: &mut DevAct, w: &DevVec, eps: f32) {
+        match x {
+            DevAct::Cpu(x) => self.cpu.rms_norm_inplace(x, &w.host, eps),
+            DevAct::Cuda(x) => self.gpu().rms_norm_inplace(x, self.vec_gpu(w), eps),
+        }
+    }
+
+    fn matmul(&self, w: &DevWeight, x: &DevAct, bias: Option<&DevVec>, out: &mut DevAct) {
+        self.matmul_many(x, &mut [(w, bias, out)]);
+    }
+
+    fn matmul_many(&self, x: &DevAct, jobs: &mut [MatmulJob<'_, Self>]) {
+        let gpu = jobs.iter().map(|(w, _, _)| matches!(w, DevWeight::Cuda(_)));
+        let (any_gpu, all_gpu) = gpu.fold((false, true), |(a, b), g| (a || g, b && g));
+        if any_gpu && all_gpu {
+            let x = self.to_gpu(x);
+            let mut inner: Vec<MatmulJob<'_, CudaBackend>> = Vec::with_capacity(jobs.len());
+            for (w, b, o) in jobs.iter_mut() {
+                let DevWeight::Cuda(w) = w else {
+                    unreachable!()
+                };
+                inner.push((w, b.map(|b| self.vec_gpu(b)), self.out_gpu(o)));
+            }
+            self.gpu().matmul_many(&x, &mut inner);
+        } else if !any_gpu {
+            let x = self.to_cpu(x);
+            let mut inner: Vec<MatmulJob<'_, CpuBackend>> = Vec::with_capacity(jobs.len());
+            for (w, b, o) in jobs.iter_mut() {
+                let DevWeight::Cpu(w) = w else { unreachable!() };
+                inner.push((w, b.map(|b| &b.host), self.out_cpu(o)));
+            }
+            self.cpu.matmul_many(&x, &mut inner);
+        } else {
+            for (w, b, o) in jobs.iter_mut() {
+                self.matmul_many(x, &mut [(*w, *b, &mut **o)]);
+            }
+        }
+    }
+
+    fn rope(&self, x: &mut DevAct, positions: &[u32], rope: Rope, ff: Option<&DevVec>) {
+        match x {
+            DevAct::Cpu(x) => self.cpu.rope(x, positions, rope, ff.map(|f| &f.host)),
+            DevAct::Cuda(x) => self
+                .gpu()
+                .rope(x, positions, rope, ff.map(|f| self.vec_gpu(f))),
+        }
+    }
+
+    fn scale(&self, x: &mut DevAct, s: f32) {
+        match x {
+            DevAct::Cpu(x) => self.cpu.scale(x, s),
+            DevAct::Cuda(x) => self.gpu().scale(x, s),
+        }
+    }
+
+    fn add(&self, x: &mut DevAct, y: &DevAct) {
+        self.place(x, Self::is_gpu(y));
+        match (x, y) {
+            (DevAct::Cpu(x), DevAct::Cpu(y)) => self.cpu.add(x, y),
+            (DevAct::Cuda(x), DevAct::Cuda(y)) => self.gpu().add(x, y),
+            _ => unreachable!("placed above"),
+        }
+    }
+
+    fn glu(&self, gate: &mut DevAct, up: &DevAct, act: Activation) {
+        match gate {
+            DevAct::Cpu(g) => self.cpu.glu(g, &self.to_cpu(up), act),
+            DevAct::Cuda(g) => self.gpu().glu(g, &self.to_gpu(up), act),
+        }
+    }
+
+    fn kv_write(&self, kv: &mut DevKv, layer: usize, k: &DevAct, v: &DevAct, slots: &[usize]) {
+        match (layer < self.gpu_layers, &mut kv.cuda, &mut kv.cpu) {
+            (true, Some(c), _) => {
+                self.gpu()
+                    .kv_write(c, layer, &self.to_gpu(k), &self.to_gpu(v), slots)
+            }
+            (_, _, Some(c)) => self
+                .cpu
+                .kv_write(c, layer, &self.to_cpu(k), &self.to_cpu(v), slots),
+            _ => unreachable!("every layer has KV storage"),
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &DevAct,
+        kv: &DevKv,
+        layer: usize,
+        queries: &[AttnQuery<'_>],
+        shape: AttnShape,
+        out: &mut DevAct,
+    ) {
+        match (layer < self.gpu_layers, &kv.cuda, &kv.cpu) {
+            (true, Some(c), _) => {
+                self.gpu()
+                    .attention(&self.to_gpu(q), c, layer, queries, shape, self.out_gpu(out))
+            }
+            (_, _, Some(c)) => {
+                self.cpu
+                    .attention(&self.to_cpu(q), c, layer, queries, shape, self.out_cpu(out))
+            }
+            _ => unreachable!("every layer has KV storage"),
+        }
+    }
+
+    fn add_rows_scaled(&self, x: &mut DevAct, y: &DevAct, rows: &[usize], scales: &[f32]) {
+        self.place(x, Self::is_gpu(y));
+        match (x, y) {
+            (DevAct::Cpu(x), DevAct::Cpu(y)) => self.cpu.add_rows_scaled(x, y, rows, scales),
+            (DevAct::Cuda(x), DevAct::Cuda(y)) => self.gpu().add_rows_scaled(x, y, rows, scales),
+            _ => unreachable!("placed above"),
+        }
+    }
+
+    fn copy_heads(&self, src: &DevAct, dst: &mut DevAct, c: HeadCopy) {
+        match dst {
+            DevAct::Cpu(d) => self.cpu.copy_heads(&self.to_cpu(src), d, c),
+            DevAct::Cuda(d) => self.gpu().copy_heads(&self.to_gpu(src), d, c),
+        }
+    }
+
+    fn gather_rows(&self, x: &DevAct, rows: &[usize]) -> DevAct {
+        match x {
+            DevAct::Cpu(x) => DevAct::Cpu(self.cpu.gather_rows(x, rows)),
+            DevAct::Cuda(x) => DevAct::Cuda(self.gpu().gather_rows(x, rows)),
+        }
+    }
+
+    fn to_host(&self, x: &DevAct) -> Vec<f32> {
+        match x {
+            DevAct::Cpu(x) => x.data.clone(),
+            DevAct::Cuda(x) => self.gpu().to_host(x),
+        }
+    }
+}
