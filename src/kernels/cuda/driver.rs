@@ -93,7 +93,14 @@ fn cu(e: &result::DriverError) -> String {
 /// # Safety
 /// `image` must be a complete cubin or NUL-terminated PTX; a context must be current.
 unsafe fn load(image: &[u8]) -> Result<sys::CUmodule, result::DriverError> {
-    result::module::load_data(image.as_ptr() as *const c_void)
+    // An 8-byte aligned copy: an embedded image is only byte-aligned, and an ELF image is read
+    // as 8-byte words.
+    let mut words = vec![0u64; image.len().div_ceil(8)];
+    // SAFETY: `words` holds at least image.len() bytes; the regions are distinct.
+    unsafe {
+        std::ptr::copy_nonoverlapping(image.as_ptr(), words.as_mut_ptr() as *mut u8, image.len())
+    };
+    result::module::load_data(words.as_ptr() as *const c_void)
 }
 
 impl CudaDriver {

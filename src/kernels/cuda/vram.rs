@@ -62,3 +62,61 @@ pub fn layers_that_fit(g: &Gguf, n_layer: usize, n_ctx: usize, kv_dim: usize, fr
 pub fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::{GgmlType, GgufWriter};
+
+    /// Two layers of one 256×256 Q8_0 matrix (69 632 bytes) and one 256×256 Q5_K matrix (no CUDA
+    /// kernel: 131 072 bytes as f16) each, and a 1000×256 F16 embedding table (512 000 bytes).
+    fn model() -> Gguf {
+        let mut w = GgufWriter::new();
+        let q8 = GgmlType::Q8_0.row_bytes(256).unwrap() * 256;
+        let q5k = GgmlType::Q5K.row_bytes(256).unwrap() * 256;
+        for l in 0..2 {
+            w.add_tensor(
+                &format!("blk.{l}.attn_q.weight"),
+                &[256, 256],
+                GgmlType::Q8_0,
+                vec![0; q8],
+            )
+            .unwrap();
+            w.add_tensor(
+                &format!("blk.{l}.ffn_up.weight"),
+                &[256, 256],
+                GgmlType::Q5K,
+                vec![0; q5k],
+            )
+            .unwrap();
+        }
+        w.add_tensor(
+            "token_embd.weight",
+            &[256, 1000],
+            GgmlType::F16,
+            vec![0; 512_000],
+        )
+        .unwrap();
+        Gguf::from_bytes(w.to_bytes()).unwrap()
+    }
+
+    #[test]
+    fn plan_counts_gpu_layers_and_the_head_only_with_every_layer() {
+        let g = model();
+        let layer = 69_632 + 131_072;
+        assert_eq!(plan(&g, 2, 0, 100, 64), VramPlan { weights: 0, kv: 0 });
+        assert_eq!(
+            plan(&g, 2, 1, 100, 64),
+            VramPlan {
+                weights: layer,
+                kv: 100 * 64 * 4
+            }
+        );
+        assert_eq!(plan(&g, 2, 2, 100, 64).weights, 2 * layer + 512_000);
+        assert_eq!(plan(&g, 2, 9, 100, 64), plan(&g, 2, 2, 100, 64));
+        let one = plan(&g, 2, 1, 100, 64).total();
+        assert_eq!(layers_that_fit(&g, 2, 100, 64, one), 1);
+        assert_eq!(layers_that_fit(&g, 2, 100, 64, one - 1), 0);
+        assert_eq!(layers_that_fit(&g, 2, 100, 64, u64::MAX), 2);
+    }
+}
