@@ -92,6 +92,8 @@ fn check(file: &str, max_tokens: usize, stop: &[&str], drafter: Drafter<'_>) {
     };
     let name = method.name();
     let mut spec = Speculator::new(method, 8);
+    // The draft length must not depend on timings here (the counters are asserted on).
+    spec.cost_based = false;
     let got = run(&mut runner, &tok, &prompt, &params, Some(&mut spec));
     assert_eq!(
         got, plain,
@@ -197,4 +199,52 @@ fn a_draft_model_with_another_vocabulary_is_refused() {
         "{}",
         stderr(&o)
     );
+}
+
+/// The CLI with each method: the text is plain greedy decoding's, and the `--json` summary carries
+/// the method's counters.
+#[test]
+fn cli_json_reports_speculative_counters() {
+    let g = model(GEMMA);
+    let base = [
+        "run",
+        "-m",
+        g.to_str().unwrap(),
+        "--temp",
+        "0",
+        "-n",
+        "32",
+        "-p",
+        PROMPT,
+    ];
+    let text = |o: &std::process::Output| -> String {
+        assert!(o.status.success(), "{}", stderr(o));
+        String::from_utf8(o.stdout.clone()).unwrap()
+    };
+    let plain = text(&infer(&base, None));
+    let g_str = g.to_str().unwrap().to_string();
+    for (name, extra) in [
+        ("lookup", vec!["--lookup", "3"]),
+        ("self-draft", vec!["--self-draft", "12", "--no-cost-k"]),
+        ("draft-model", vec!["--draft-model", g_str.as_str()]),
+    ] {
+        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+        assert_eq!(text(&infer(&args, None)), plain, "{name}: text differs");
+        let o = infer(&[&args[..], &["--json"]].concat(), None);
+        let out = text(&o);
+        let last: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+        let s = &last["speculative"];
+        assert_eq!(s["method"], name, "{last}");
+        let (drafted, accepted) = (
+            s["drafted"].as_u64().unwrap(),
+            s["accepted"].as_u64().unwrap(),
+        );
+        let forwards = s["target_forwards"].as_u64().unwrap();
+        let generated = last["generated_tokens"].as_u64().unwrap();
+        assert!(accepted <= drafted && drafted > 0, "{name}: {s}");
+        // Every forward yields one token plus its accepted drafts; the first token comes from
+        // the prefill.
+        assert!(forwards + accepted >= generated - 1, "{name}: {last}");
+        assert!(stderr(&o).contains(&format!("infer: {name} drafted {drafted} tokens")));
+    }
 }

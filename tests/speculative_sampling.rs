@@ -8,11 +8,14 @@
 //!    (temperature, top-k and the repetition penalty included). Negative control: the same
 //!    harness with the verifier told a wrong draft distribution is rejected.
 //! 2. The whole engine (`generate_with` with a `Speculator`) on tiny random-weight Qwen2 (f32,
-//!    converted from tests/fixtures/convert/hf-tiny): with a separate draft model (tiny Qwen3, same
-//!    tokenizer, different weights) and with a one-layer self-draft, the first three generated
-//!    tokens are distributed as the target's exact joint distribution (enumerated with plain
-//!    forwards). Negative control: the draft model's own samples fail the same test against the
-//!    target, so the test has the power to see a distribution that is not the target's.
+//!    converted from tests/fixtures/convert/hf-tiny): with a separate draft model (the same
+//!    checkpoint in q4_0: close to the target, not equal) and with a one-layer self-draft, the
+//!    first three generated tokens are distributed as the target's exact joint distribution
+//!    (enumerated with plain forwards); the drafts run up to 2 tokens (cost model off), so
+//!    rejections after accepted drafts occur (this test found the generation loop dropping the
+//!    token decided at such a rejection). With prompt lookup (one-hot drafts) every seed gives plain decoding's tokens.
+//!    Negative control: the target sampled at a slightly different temperature fails the same
+//!    test, so the test has the power to see a distribution close to, but not, the target's.
 
 mod common;
 
@@ -356,7 +359,7 @@ fn exact(
 }
 
 #[test]
-fn engine_sampling_with_a_draft_model_or_self_draft_keeps_the_target_distribution() {
+fn engine_sampling_keeps_the_target_distribution_with_each_drafter() {
     let (g, mut runner) = load_runner(&convert("qwen2", "f32"), 64);
     let tok = Tokenizer::from_gguf(&g).unwrap();
     // The draft: the same checkpoint in 4 bits (close to the target, not equal).
@@ -369,6 +372,9 @@ fn engine_sampling_with_a_draft_model_or_self_draft_keeps_the_target_distributio
     let mut draft_model =
         Speculator::new(Method::Model(Box::new(DraftModel::new(draft_runner))), 4);
     let mut self_draft = Speculator::new(Method::SelfDraft { layers: 1 }, 4);
+    // Draft lengths independent of timings (the counters are asserted on).
+    draft_model.cost_based = false;
+    self_draft.cost_based = false;
     for (name, spec) in [
         ("draft model", &mut draft_model),
         ("self-draft", &mut self_draft),
@@ -394,6 +400,33 @@ fn engine_sampling_with_a_draft_model_or_self_draft_keeps_the_target_distributio
             "{name}: {s:?}"
         );
     }
+
+    // Prompt lookup drafts one-hot, verified by sampling with the target's own sampler and
+    // comparing: the RNG is spent exactly as in plain decoding, so every seed gives plain
+    // decoding's tokens (a stronger property than equal distributions).
+    let rep = tok
+        .encode(
+            "the quick brown fox the quick brown fox the quick",
+            false,
+            true,
+        )
+        .unwrap();
+    let mut lookup = Speculator::lookup(2, 4);
+    lookup.cost_based = false;
+    for seed in 0..500 {
+        let plain = generate(&mut runner, &tok, &rep, seed, None);
+        let spec = generate(&mut runner, &tok, &rep, seed, Some(&mut lookup));
+        assert_eq!(
+            spec, plain,
+            "seed {seed}: lookup changed the sampled tokens"
+        );
+    }
+    let s = lookup.stats;
+    eprintln!("lookup: {s:?}");
+    assert!(
+        s.drafted > 0 && s.accepted > 0 && s.accepted < s.drafted,
+        "lookup: {s:?}"
+    );
 
     // Negative control: the target sampled at temperature 0.55 instead of 0.4 (same top-4 support)
     // is a distribution close to the target's but not equal; the test must tell them apart.

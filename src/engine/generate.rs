@@ -171,10 +171,13 @@ pub fn generate_with<B: Backend>(
             break StopReason::Length;
         }
         let next_verified = verified.pop_front();
-        let id = match (&next_verified, decided.take()) {
-            (Some((d, _)), _) => *d,
-            (None, Some(d)) => d,
-            (None, None) => sampler.sample(&logits, &seq.tokens[..emitted_base + generated]),
+        // The decided token comes after every verified one: take it only once they are out.
+        let id = match &next_verified {
+            Some((d, _)) => *d,
+            None => match decided.take() {
+                Some(d) => d,
+                None => sampler.sample(&logits, &seq.tokens[..emitted_base + generated]),
+            },
         };
         if tok.is_eog(id) {
             break StopReason::Eos;

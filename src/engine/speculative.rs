@@ -28,6 +28,9 @@ pub use draft::{check_vocab, DraftModel};
 use draft::{draft_sampler, self_draft, Draft};
 pub use lookup::PromptLookup;
 
+/// While plain decoding is cheaper, one step in this many still drafts (see `next_k`).
+pub const EXPLORE: usize = 16;
+
 /// Counters over a generation.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct SpecStats {
@@ -117,10 +120,13 @@ impl Speculator {
         Speculator::new(Method::Lookup(PromptLookup::new(ngram_max)), draft_max)
     }
 
-    /// The draft length the next step asks for.
+    /// The draft length the next step asks for. When the cost model finds plain decoding faster
+    /// than any draft it is 0, except on every [`EXPLORE`]th step, which drafts one token to keep
+    /// the measurements current.
     pub fn next_k(&self) -> usize {
         match self.cost.best_k(self.draft_max) {
-            Some(best) if self.cost_based => self.k.min(best),
+            Some(0) if self.cost_based && self.stats.forwards % EXPLORE != 0 => 0,
+            Some(best) if self.cost_based => self.k.min(best.max(1)),
             _ => self.k,
         }
     }
@@ -153,7 +159,7 @@ impl Speculator {
             match &mut self.method {
                 Method::Lookup(l) => Draft {
                     tokens: l.draft(&seq.tokens, max),
-                    q: None,
+                    ..Draft::default()
                 },
                 Method::Model(m) => m.draft(&seq.tokens, max, runner.vocab_size(), ds)?,
                 Method::SelfDraft { layers } => self_draft(runner, seq, *layers, max, ds)?,
@@ -161,7 +167,8 @@ impl Speculator {
         };
         let draft_secs = t0.elapsed().as_secs_f64();
         self.stats.draft_secs += draft_secs;
-        self.cost.record_draft(draft.tokens.len(), draft_secs);
+        self.cost
+            .record_draft(draft.tokens.len(), draft_secs - draft.setup_secs);
         self.stats.forwards += 1;
         let n = draft.tokens.len();
         if n == 0 {

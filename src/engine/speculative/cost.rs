@@ -7,7 +7,8 @@
 //! of `k` draft tokens plus one target forward over `k + 1` rows. The forward cost is a
 //! least-squares line through the measured row counts (means that decay toward recent values),
 //! extrapolated to unmeasured ones. Until two different row counts are measured there is no
-//! line, and no choice is made (the caller's adaptive length rules alone).
+//! line, and no choice is made (the caller's adaptive length rules alone). Length 0 means plain
+//! decoding is expected to be faster than any draft.
 
 /// Weight of a new measurement in the running means.
 const NEW: f64 = 0.3;
@@ -80,12 +81,12 @@ impl CostModel {
         Some((my + slope * (rows as f64 - mx)).max(1e-9))
     }
 
-    /// The draft length in `1..=max` with the most expected tokens per second, or `None` while
-    /// the measurements do not determine one.
+    /// The draft length in `0..=max` with the most expected tokens per second (0: a plain step
+    /// beats every draft length), or `None` while the measurements do not determine one.
     pub fn best_k(&self, max: usize) -> Option<usize> {
         let a = self.acceptance()?.clamp(0.0, 0.999);
         let draft = self.draft.unwrap_or(0.0);
-        let mut best = (0.0, 0);
+        let mut best = (1.0 / self.forward_cost(1)?, 0);
         let (mut tokens, mut pow) = (1.0, 1.0);
         for k in 1..=max {
             pow *= a;
@@ -96,7 +97,7 @@ impl CostModel {
                 best = (rate, k);
             }
         }
-        (best.1 > 0).then_some(best.1)
+        Some(best.1)
     }
 }
 
@@ -113,10 +114,16 @@ mod tests {
             c.record_forward(n, 0.010 * n as f64);
         }
         assert!((c.forward_cost(9).unwrap() - 0.090).abs() < 1e-12);
-        // Acceptance 0.5: tokens(k) = 2 - 0.5^k, secs(k) = 0.01 (k + 1); k = 1 is best
-        // (1.5 / 0.02 = 75 t/s vs 1.75 / 0.03 = 58 t/s).
+        // Acceptance 0.5: tokens(k) = 2 - 0.5^k, secs(k) = 0.01 (k + 1): the best draft, k = 1
+        // (1.5 / 0.02 = 75 t/s), loses to plain decoding (100 t/s).
         c.record_verdict(2, 1);
         assert!((c.acceptance().unwrap() - 0.5).abs() < 1e-12);
+        assert_eq!(c.best_k(8), Some(0));
+        // With 3 ms per extra row, k = 1 wins (1.5 / 0.013 = 115 t/s; k = 2: 1.75 / 0.016 = 109).
+        let mut c = CostModel::default();
+        c.record_forward(1, 0.010);
+        c.record_forward(4, 0.019);
+        c.record_verdict(2, 1);
         assert_eq!(c.best_k(8), Some(1));
         // A nearly free verify (1 ms per extra row) and high acceptance: draft long.
         let mut c = CostModel::default();
@@ -127,8 +134,15 @@ mod tests {
         }
         c.record_verdict(8, 7);
         assert_eq!(c.best_k(8), Some(8));
-        // ...unless each drafted token costs as much as a step.
+        // ...unless each drafted token costs two steps: k = 1 gives 2 tokens per 31 ms, below
+        // plain decoding's 1 per 10 ms.
         c.record_draft(4, 0.080);
-        assert_eq!(c.best_k(8), Some(1));
+        assert_eq!(c.best_k(8), Some(0));
+        // At half a step per drafted token and near-certain acceptance, long drafts pay again
+        // (k = 8: 9 tokens per 58 ms).
+        for _ in 0..40 {
+            c.record_draft(1, 0.005);
+        }
+        assert_eq!(c.best_k(8), Some(8));
     }
 }

@@ -24,7 +24,13 @@ use crate::tokenizer::{attr, Tokenizer};
 pub struct Draft {
     pub tokens: Vec<u32>,
     pub q: Option<Vec<Dist>>,
+    /// Seconds of one-off work before drafting (the draft model's prefill of the prompt), not
+    /// part of the per-token draft cost.
+    pub setup_secs: f64,
 }
+
+/// A catch-up longer than this many tokens is a prefill (timed as setup).
+const PREFILL_TOKENS: usize = 8;
 
 /// The draft's own sampler: the target's settings, a different RNG stream.
 pub fn draft_sampler(target: &SamplerConfig) -> Sampler {
@@ -73,7 +79,12 @@ impl DraftModel {
             return Ok(d);
         }
         self.runner.reuse_prefix(&mut self.seq, history);
+        let t = std::time::Instant::now();
+        let catchup = self.seq.tokens.len() - self.seq.n_cached;
         let mut logits = self.runner.compute(&mut self.seq)?;
+        if catchup > PREFILL_TOKENS {
+            d.setup_secs = t.elapsed().as_secs_f64();
+        }
         loop {
             pick(sampler, &logits, &self.seq.tokens, &mut d);
             let x = *d.tokens.last().expect("just drafted");
