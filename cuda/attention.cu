@@ -133,3 +133,103 @@ extern "C" __global__ void __launch_bounds__(128)
   }
 }
 EMU_EXPORT(attn_merge)
+
+#define PF_T 8   // queries per tile (2 per warp)
+#define PF_KC 32 // keys per chunk (one per lane)
+
+/// Flash attention for a batch of prefill rows: a block takes a tile of up to PF_T consecutive
+/// queries of one sequence (they share a block table; tiles[2 t] = first query, tiles[2 t + 1] =
+/// count) and one query head, streams the tile's visible keys through shared memory PF_KC at a
+/// time (K and V read once per tile instead of once per query), and keeps an online softmax per
+/// query (running max m, sum l, rescaled accumulator). Causal and window masks come from each
+/// query's pos and lo. grid (n_tiles, n_head), block (128).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+    attn_prefill(const float* __restrict__ q, const __half* __restrict__ kc,
+                 const __half* __restrict__ vc, const int* __restrict__ tables,
+                 const int* __restrict__ meta, const int* __restrict__ tiles,
+                 float* __restrict__ out, int n_head, int n_head_kv, int head_dim,
+                 int block_size, int kv_dim, float scale) {
+  __shared__ float qs[PF_T * ATTN_MAX_HD];
+  __shared__ __half ks[PF_KC * (ATTN_MAX_HD + 2)];
+  __shared__ __half vs[PF_KC * ATTN_MAX_HD];
+  __shared__ float ps[ATTN_THREADS / 32][32];
+  const int h = blockIdx.y, hd = head_dim, kvh = h / (n_head / n_head_kv);
+  const int kstride = hd + 2;  // padded rows: lanes reading different keys hit different banks
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int q0 = tiles[2 * blockIdx.x], nq = tiles[2 * blockIdx.x + 1];
+  const int* table = tables + meta[3 * q0];
+  int lo_min = 0x7fffffff, pos_max = -1;
+  for (int i = 0; i < nq; i++) {
+    lo_min = min(lo_min, meta[3 * (q0 + i) + 2]);
+    pos_max = max(pos_max, meta[3 * (q0 + i) + 1]);
+  }
+  for (int x = threadIdx.x; x < nq * hd; x += ATTN_THREADS)
+    qs[x] = q[(size_t)(q0 + x / hd) * n_head * hd + (size_t)h * hd + x % hd];
+
+  float m[2], l[2], acc[2][ATTN_MAX_HD / 32];
+#pragma unroll
+  for (int a = 0; a < 2; a++) {
+    m[a] = NEG_INF;
+    l[a] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < ATTN_MAX_HD / 32; e++) acc[a][e] = 0.0f;
+  }
+
+  for (int k0 = lo_min; k0 <= pos_max; k0 += PF_KC) {
+    const int n = min(PF_KC, pos_max + 1 - k0);
+    __syncthreads();  // the previous chunk is no longer read
+    for (int x = threadIdx.x; x < n * hd; x += ATTN_THREADS) {
+      const int j = x / hd, d = x % hd, key = k0 + j;
+      const size_t src = (size_t)(table[key / block_size] * block_size + key % block_size) * kv_dim +
+                         (size_t)kvh * hd + d;
+      ks[j * kstride + d] = kc[src];
+      vs[j * hd + d] = vc[src];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < 2; a++) {
+      const int i = warp + 4 * a;
+      if (i >= nq) continue;  // warp-uniform
+      const int pos = meta[3 * (q0 + i) + 1], lo = meta[3 * (q0 + i) + 2];
+      const int key = k0 + lane;
+      const bool valid = lane < n && key >= lo && key <= pos;
+      float s = NEG_INF;
+      if (valid) {
+        float dot = 0.0f;
+        for (int d = 0; d < hd; d++) dot += qs[i * hd + d] * __half2float(ks[lane * kstride + d]);
+        s = dot * scale;
+      }
+      const float cm = warp_max(s);
+      if (cm == NEG_INF) continue;  // warp-uniform: no visible key in this chunk
+      const float m_new = fmaxf(m[a], cm);
+      const float corr = expf(m[a] - m_new);  // 0 while m is -inf
+      const float p = valid ? expf(s - m_new) : 0.0f;
+      l[a] = l[a] * corr + warp_sum(p);
+      ps[warp][lane] = p;
+      __syncwarp();
+#pragma unroll
+      for (int e = 0; e < ATTN_MAX_HD / 32; e++) {
+        const int d = lane + 32 * e;
+        if (d < hd) {
+          float v = acc[a][e] * corr;
+          for (int j = 0; j < n; j++) v += ps[warp][j] * __half2float(vs[j * hd + d]);
+          acc[a][e] = v;
+        }
+      }
+      __syncwarp();  // ps is rewritten by the next query
+      m[a] = m_new;
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < 2; a++) {
+    const int i = warp + 4 * a;
+    if (i >= nq) continue;
+#pragma unroll
+    for (int e = 0; e < ATTN_MAX_HD / 32; e++) {
+      const int d = lane + 32 * e;
+      if (d < hd)
+        out[(size_t)(q0 + i) * n_head * hd + (size_t)h * hd + d] = l[a] > 0.0f ? acc[a][e] / l[a] : 0.0f;
+    }
+  }
+}
+EMU_EXPORT(attn_prefill)

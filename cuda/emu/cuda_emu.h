@@ -102,7 +102,7 @@ struct __half2 {
 #define warpSize 32
 
 #define __syncthreads() emu::syncthreads(__FILE__, __LINE__)
-#define __syncwarp(...) ((void)0)
+#define __syncwarp(...) ((void)emu::ballot(0xffffffffu, false, __FILE__, __LINE__))
 #define __shfl_xor_sync(mask, v, arg) \
   emu::shfl_t((mask), (v), (arg), emu::ShflKind::Xor, __FILE__, __LINE__)
 #define __shfl_sync(mask, v, arg) \

@@ -154,6 +154,12 @@ impl CudaBackend {
             longest = longest.max((qr.pos + 1).saturating_sub(qr.lo) as usize);
         }
         let (tables, meta) = (self.ints(&tables)?, self.ints(&meta)?);
+        // Rows of one sequence (a prefill chunk, a speculative verify) share K/V loads in the
+        // tiled kernel; lone rows (decode, batched decode) use split-KV flash decoding.
+        let tiles = ops::prefill_tiles(queries.len(), |i, j| {
+            queries[i].block_table == queries[j].block_table
+        });
+        let tiled = tiles.len() / 2 < queries.len();
         let n_split = longest.div_ceil(ops::ATTN_SPLIT);
         let part_bytes = ops::attn_part_bytes(queries.len(), shape.n_head, shape.head_dim, n_split);
         let a = AttnArgs {
@@ -162,7 +168,11 @@ impl CudaBackend {
             v_cache: kv.v[layer].ptr,
             tables: tables.ptr,
             meta: meta.ptr,
-            part: self.scratch(PART, part_bytes)?,
+            part: if tiled {
+                0
+            } else {
+                self.scratch(PART, part_bytes)?
+            },
             out: out.buf.ptr,
             n_q: queries.len(),
             n_head: shape.n_head,
@@ -173,6 +183,10 @@ impl CudaBackend {
             scale: shape.scale,
             n_split,
         };
+        if tiled {
+            let tiles_d = self.ints(&tiles)?;
+            return ops::attention_prefill(&*self.l, &a, tiles_d.ptr, tiles.len() / 2);
+        }
         ops::attention(&*self.l, &a)
     }
 }

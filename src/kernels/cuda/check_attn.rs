@@ -1,6 +1,7 @@
 //! The attention check of [`super::check`]: split-KV attention over a paged f16 cache with
 //! scrambled block tables, against an f64 softmax over the same f16 keys and values, for plain
-//! multi-head, GQA and MQA layouts, several splits and a sliding window.
+//! multi-head, GQA and MQA layouts, several splits and a sliding window; and the tiled prefill
+//! kernel on batches of consecutive rows of two sequences (tiles cut at the sequence boundary).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,15 +16,47 @@ use super::ops::{self, AttnArgs};
 const BLOCK: usize = 32;
 const N_BLOCKS: usize = 16;
 
+/// (pos, lo, table seed) per query: sequences are told apart by their table seed.
+type Queries = Vec<(u32, u32, usize)>;
+
 pub fn attention(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
-    // (n_head, n_head_kv, head_dim)
-    for (nh, nkv, hd) in [
+    // Decode-like: separate sequences, one row each, up to 4 splits, one with a window.
+    let decode: Queries = vec![
+        (0, 0, 1),
+        (37, 0, 3),
+        (300, 0, 7),
+        (300, 200, 2),
+        (511, 0, 9),
+    ];
+    // Prefill-like: 21 rows of one sequence from position 0, then 41 rows of another at positions
+    // 100..=140 with a 64-key window.
+    let mut prefill: Queries = (0..=20).map(|p| (p, 0, 1)).collect();
+    prefill.extend((100..=140).map(|p| (p, p - 63, 4)));
+    for shape in [
         (4, 4, 64),
         (8, 2, 128),
         (4, 1, 256),
         (12, 2, 16),
         (14, 2, 64),
     ] {
+        case(l, out, shape, &decode, false)?;
+    }
+    for shape in [(4, 4, 64), (8, 2, 128), (4, 1, 256), (6, 3, 16)] {
+        case(l, out, shape, &prefill, true)?;
+        case(l, out, shape, &prefill[..3], true)?;
+    }
+    case(l, out, (8, 2, 128), &prefill, false)?;
+    Ok(())
+}
+
+fn case(
+    l: &Arc<dyn Launch>,
+    out: &mut Vec<Check>,
+    (nh, nkv, hd): (usize, usize, usize),
+    queries: &[(u32, u32, usize)],
+    tiled: bool,
+) -> Result<()> {
+    {
         let kv_dim = nkv * hd;
         let slots = N_BLOCKS * BLOCK;
         let to16 = |v: Vec<f32>| -> Vec<f16> { v.into_iter().map(f16::from_f32).collect() };
@@ -33,13 +66,6 @@ pub fn attention(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
         );
         // Each query's table: the blocks in a scrambled order (block i of the sequence is at
         // physical block (5 i + seed) % 16).
-        let queries: [(u32, u32, usize); 5] = [
-            (0, 0, 1),
-            (37, 0, 3),
-            (300, 0, 7),
-            (300, 200, 2),
-            (511, 0, 9),
-        ];
         let tables: Vec<Vec<u32>> = queries
             .iter()
             .map(|&(_, _, seed)| {
@@ -93,9 +119,14 @@ pub fn attention(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
             scale,
             n_split,
         };
+        let tiles = ops::prefill_tiles(n_q, |i, j| queries[i].2 == queries[j].2);
+        let tiles_d = DevBuf::from_i32(l, &tiles)?;
         l.sync()?;
         let t = Instant::now();
-        ops::attention(&**l, &a)?;
+        match tiled {
+            true => ops::attention_prefill(&**l, &a, tiles_d.ptr, tiles.len() / 2)?,
+            false => ops::attention(&**l, &a)?,
+        }
         l.sync()?;
         let secs = t.elapsed().as_secs_f64();
         let got = od.to_f32()?;
@@ -133,9 +164,19 @@ pub fn attention(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
                 }
             }
         }
-        let shape = format!("{n_q} queries, {nh}/{nkv} heads, hd {hd}, {n_split} splits (abs)");
+        let (kernel, shape) = match tiled {
+            true => {
+                let n_tiles = tiles.len() / 2;
+                let s = format!("{n_q} rows, {n_tiles} tiles, {nh}/{nkv} heads, hd {hd} (abs)");
+                ("attn_prefill", s)
+            }
+            false => {
+                let s = format!("{n_q} queries, {nh}/{nkv} heads, hd {hd}, {n_split} splits (abs)");
+                ("attn_split+merge", s)
+            }
+        };
         out.push(Check {
-            kernel: "attn_split+merge".into(),
+            kernel: kernel.into(),
             shape,
             err,
             tol: 1e-5,

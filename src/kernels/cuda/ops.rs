@@ -295,6 +295,11 @@ pub fn attn_part_bytes(n_q: usize, n_head: usize, head_dim: usize, n_split: usiz
 
 /// Split-KV attention then the merge of the splits.
 pub fn attention(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
+    check_attn_shape(a)?;
+    attention_split(l, a)
+}
+
+fn check_attn_shape(a: &AttnArgs) -> Result<()> {
     if a.n_head % a.n_head_kv != 0
         || a.n_head / a.n_head_kv > ATTN_MAX_G
         || a.head_dim > ATTN_MAX_HD
@@ -307,6 +312,10 @@ pub fn attention(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
             a.head_dim
         );
     }
+    Ok(())
+}
+
+fn attention_split(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
     let args = [
         Arg::Ptr(a.q),
         Arg::Ptr(a.k_cache),
@@ -337,4 +346,45 @@ pub fn attention(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
         [128, 1, 1],
         &args,
     )
+}
+
+/// Queries per tile of `attn_prefill` (`PF_T` in attention.cu).
+pub const PREFILL_TILE: usize = 8;
+
+/// Tiles of consecutive queries for [`attention_prefill`]: (first, count) pairs, flattened; a tile
+/// holds up to [`PREFILL_TILE`] queries and only queries of one sequence (`same_seq(i - 1, i)`).
+pub fn prefill_tiles(n_q: usize, same_seq: impl Fn(usize, usize) -> bool) -> Vec<i32> {
+    let mut tiles: Vec<i32> = Vec::new();
+    for i in 0..n_q {
+        let extend = i > 0 && same_seq(i - 1, i) && tiles[tiles.len() - 1] < PREFILL_TILE as i32;
+        if extend {
+            *tiles.last_mut().expect("a tile is open") += 1;
+        } else {
+            tiles.extend([i as i32, 1]);
+        }
+    }
+    tiles
+}
+
+/// Tiled flash attention for many query rows (`a.part` and `a.n_split` unused); `tiles` from
+/// [`prefill_tiles`] on the device.
+pub fn attention_prefill(l: &dyn Launch, a: &AttnArgs, tiles: u64, n_tiles: usize) -> Result<()> {
+    check_attn_shape(a)?;
+    let args = [
+        Arg::Ptr(a.q),
+        Arg::Ptr(a.k_cache),
+        Arg::Ptr(a.v_cache),
+        Arg::Ptr(a.tables),
+        Arg::Ptr(a.meta),
+        Arg::Ptr(tiles),
+        Arg::Ptr(a.out),
+        i32a(a.n_head),
+        i32a(a.n_head_kv),
+        i32a(a.head_dim),
+        i32a(a.block_size),
+        i32a(a.kv_dim),
+        Arg::F32(a.scale),
+    ];
+    let grid = [n_tiles as u32, a.n_head as u32, 1];
+    l.launch("attn_prefill", grid, [128, 1, 1], &args)
 }
