@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Speculative decoding benchmark (for notes, not a test): the code-rename prompt of
 # rename_prompt.txt (a 40-line function, rename one identifier) on Qwen2.5-Coder-1.5B with
-# --chat --temp 0, plain decoding against each speculative method, ROUNDS interleaved rounds
+# --chat --temp 0, plain decoding against each speculative method (with and without the cost
+# model's cap on the draft length), ROUNDS interleaved rounds
 # (one run of every method per round), medians of the decode tokens/s printed on stderr.
 #
 #   scripts/spec/bench.sh [ROUNDS]
@@ -15,8 +16,11 @@ INFER=${INFER:-target/release/infer}
 MODEL=${MODEL:-models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf}
 N=${N:-512}
 PROMPT=$(cat scripts/spec/rename_prompt.txt)
-methods=("plain|" "lookup|--lookup 3" "self-draft|--self-draft ${SELF_LAYERS:-22}")
-if [[ -n "${DRAFT:-}" ]]; then methods+=("draft-model|--draft-model $DRAFT"); fi
+methods=("plain|" "lookup|--lookup 3" "lookup-no-cost-k|--lookup 3 --no-cost-k"
+  "self-draft|--self-draft ${SELF_LAYERS:-22}" "self-draft-no-cost-k|--self-draft ${SELF_LAYERS:-22} --no-cost-k")
+if [[ -n "${DRAFT:-}" ]]; then
+  methods+=("draft-model|--draft-model $DRAFT" "draft-model-no-cost-k|--draft-model $DRAFT --no-cost-k")
+fi
 out=$(mktemp -d)
 for r in $(seq 1 "$ROUNDS"); do
   for m in "${methods[@]}"; do
