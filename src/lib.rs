@@ -8,6 +8,7 @@
 pub mod chat;
 pub mod convert;
 pub mod engine;
+pub mod eval;
 pub mod format;
 pub mod kernels;
 pub mod model;

@@ -51,6 +51,32 @@ pub enum Command {
     Quantize(QuantizeArgs),
     /// Check the CUDA kernels and a whole forward pass against the CPU backend (needs a GPU)
     Selftest(SelftestArgs),
+    /// Perplexity of a model on a text (llama.cpp's method), optionally KL vs a base model
+    Perplexity(PerplexityArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// UTF-8 text to score
+    #[arg(short, long, value_name = "FILE")]
+    pub file: PathBuf,
+    /// Tokens per window; the second half of each window is scored
+    #[arg(short, long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Most tokens per forward call
+    #[arg(short, long, default_value_t = 512)]
+    pub batch: usize,
+    /// Score only the first N windows
+    #[arg(long, value_name = "N")]
+    pub chunks: Option<usize>,
+    /// Also run this base model on the same windows: mean KL(base || model), top-1 agreement
+    #[arg(long, value_name = "BASE")]
+    pub kl_divergence: Option<PathBuf>,
+    /// One JSON object on stdout instead of text
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

@@ -7,6 +7,7 @@ mod bench;
 mod chat;
 mod load;
 mod models;
+mod perplexity;
 mod progress;
 mod quantize;
 mod run;
@@ -77,6 +78,7 @@ pub fn main() -> ExitCode {
         Command::Models => models::list(),
         Command::Quantize(a) => quantize::quantize(a),
         Command::Selftest(a) => selftest::selftest(a),
+        Command::Perplexity(a) => perplexity::perplexity(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -59,6 +59,15 @@ pub fn requests(total: usize) -> Option<ProgressBar> {
     )
 }
 
+/// A bar over `total` units named `unit` (windows, chunks), with a message for running figures.
+pub fn bar_over(total: usize, unit: &str) -> Option<ProgressBar> {
+    bar(
+        Some(total as u64),
+        &format!("infer: {{spinner}} [{{bar:30}}] {{pos}}/{{len}} {unit} {{msg}} ({{elapsed}}, eta {{eta}})"),
+        String::new(),
+    )
+}
+
 /// Runs `f` under a spinner saying `msg` (cleared afterwards).
 pub fn with_spinner<T>(msg: String, f: impl FnOnce() -> T) -> T {
     let pb = spinner(msg);
