@@ -230,6 +230,15 @@ pub fn run(a: RunArgs) -> Result<()> {
             s.stats.forwards,
             s.stats.draft_secs
         );
+        let k = s.draft_max + 1;
+        if let (Some(one), Some(many)) = (s.cost.forward_cost(1), s.cost.forward_cost(k)) {
+            note!(
+                "infer: measured target forward: 1 row {:.1} ms, {k} rows {:.1} ms ({:.2} steps)",
+                1e3 * one,
+                1e3 * many,
+                many / one
+            );
+        }
     }
     Ok(())
 }

@@ -205,7 +205,8 @@ impl Speculator {
         runner.truncate(seq, base + accepted);
         self.stats.drafted += n;
         self.stats.accepted += accepted;
-        self.stats.produced += accepted + 1;
+        // The token after the accepted drafts is output only if there is room left for it.
+        self.stats.produced += accepted + usize::from(accepted < room);
         self.cost.record_verdict(n, accepted);
         self.k = if accepted == n {
             (self.k + 2).min(self.draft_max)
