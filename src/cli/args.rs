@@ -53,6 +53,26 @@ pub enum Command {
     Selftest(SelftestArgs),
     /// Perplexity of a model on a text (llama.cpp's method), optionally KL vs a base model
     Perplexity(PerplexityArgs),
+    /// Collect an importance matrix (mean squared activations) for `quantize --imatrix`
+    Imatrix(ImatrixArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ImatrixArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// UTF-8 calibration text
+    #[arg(short, long, value_name = "FILE")]
+    pub file: PathBuf,
+    /// Output file (llama.cpp's legacy imatrix.dat layout)
+    #[arg(short, long, value_name = "FILE")]
+    pub out: PathBuf,
+    /// Tokens per window
+    #[arg(short, long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Use only the first N windows
+    #[arg(long, value_name = "N")]
+    pub chunks: Option<usize>,
 }
 
 #[derive(Args, Debug)]
@@ -102,6 +122,10 @@ pub struct QuantizeArgs {
     /// Threads (default: the number of physical cores)
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
+    /// Importance matrix (`infer imatrix`, or llama.cpp's legacy imatrix.dat) weighting the
+    /// quantization error of q3_k..q6_k and q4_0/q4_1/q5_0/q5_1
+    #[arg(long, value_name = "FILE")]
+    pub imatrix: Option<PathBuf>,
 }
 
 #[derive(Args, Debug, Clone)]

@@ -5,6 +5,7 @@ mod args;
 mod batch;
 mod bench;
 mod chat;
+mod imatrix;
 mod load;
 mod models;
 mod perplexity;
@@ -79,6 +80,7 @@ pub fn main() -> ExitCode {
         Command::Quantize(a) => quantize::quantize(a),
         Command::Selftest(a) => selftest::selftest(a),
         Command::Perplexity(a) => perplexity::perplexity(a),
+        Command::Imatrix(a) => imatrix::imatrix(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use crate::cli::args::QuantizeArgs;
 use crate::cli::UsageError;
 use infer::convert::{self, Options, Target};
+use infer::eval::imatrix::Imatrix;
 use infer::kernels::cpu::pool::physical_cores;
 
 pub fn quantize(a: QuantizeArgs) -> Result<()> {
@@ -16,7 +17,18 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
         Some(n) => n,
         None => physical_cores(),
     };
-    let opts = Options { target, threads };
+    let imatrix = match &a.imatrix {
+        Some(p) if !p.is_file() => {
+            return Err(UsageError(format!("--imatrix {} does not exist", p.display())).into())
+        }
+        Some(p) => Some(std::sync::Arc::new(Imatrix::load(p)?)),
+        None => None,
+    };
+    let opts = Options {
+        target,
+        threads,
+        imatrix: imatrix.clone(),
+    };
     let (source, report) = match (&a.from_hf, &a.input) {
         (Some(dir), None) => {
             if !dir.is_dir() {
@@ -49,5 +61,18 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
         s.seconds,
         report.type_counts()
     );
+    if let Some(m) = &imatrix {
+        crate::cli::note!(
+            "infer: {} tensors quantized with the importance matrix ({} entries, {} chunks of {})",
+            s.with_imatrix,
+            m.entries.len(),
+            m.chunks,
+            if m.dataset.is_empty() {
+                "?"
+            } else {
+                &m.dataset
+            }
+        );
+    }
     Ok(())
 }

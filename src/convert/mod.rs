@@ -31,11 +31,13 @@ use policy::{ModelShape, TensorDesc};
 pub use target::Target;
 
 /// How to convert.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Options {
     pub target: Target,
     /// Threads for quantization (at least 1).
     pub threads: usize,
+    /// Importance matrix weighting the quantization error of the tensors it has entries for.
+    pub imatrix: Option<std::sync::Arc<crate::eval::imatrix::Imatrix>>,
 }
 
 /// What a conversion wrote.
@@ -77,7 +79,14 @@ fn choose_and_write(
         })
         .collect();
     let types = policy::choose_types(opts.target, shape, &descs)?;
-    let summary = pipeline::write_gguf(out, metadata, tensors, &types, opts.threads)?;
+    let summary = pipeline::write_gguf(
+        out,
+        metadata,
+        tensors,
+        &types,
+        opts.threads,
+        opts.imatrix.as_deref(),
+    )?;
     Ok(Report {
         summary,
         types: tensors.iter().map(|t| t.name.clone()).zip(types).collect(),

@@ -17,6 +17,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::safetensors::HfTensor;
+use crate::eval::imatrix::Imatrix;
 use crate::format::{GgmlType, GgufWriter, Value};
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::quant;
@@ -133,16 +134,20 @@ pub struct Summary {
     /// Size of the tensor data written.
     pub bytes_out: u64,
     pub seconds: f64,
+    /// Tensors quantized with an importance-matrix entry.
+    pub with_imatrix: usize,
 }
 
 /// Converts `tensors[i]` to `types[i]` (in parallel over rows) and writes them with `metadata` to
-/// `out`, atomically.
+/// `out`, atomically. Tensors with an entry in `imatrix` are quantized with their importance
+/// (see [`quant::quantize_row_weighted`]); an entry of the wrong size is an error.
 pub fn write_gguf(
     out: &Path,
     metadata: Vec<(String, Value)>,
     tensors: &[PlannedTensor],
     types: &[GgmlType],
     threads: usize,
+    imatrix: Option<&Imatrix>,
 ) -> Result<Summary> {
     let start = Instant::now();
     let pool = ThreadPool::new(threads.max(1));
@@ -164,9 +169,20 @@ pub fn write_gguf(
         w.add_kv(&k, v);
     }
     let mut bytes_out = 0u64;
+    let mut with_imatrix = 0;
     for (t, &ty) in tensors.iter().zip(types) {
         bar.set_message(format!("{} → {}", t.name, ty.name()));
-        let data = convert_tensor(&pool, t, ty, &bar)
+        let slots = if t.dims.len() >= 3 {
+            t.dims[2] as usize
+        } else {
+            1
+        };
+        let qw = match imatrix {
+            Some(m) if ty.block_size() > 1 => m.weights_for(&t.name, t.row_len(), slots)?,
+            _ => None,
+        };
+        with_imatrix += qw.is_some() as usize;
+        let data = convert_tensor(&pool, t, ty, &bar, qw)
             .with_context(|| format!("converting tensor {} to {}", t.name, ty.name()))?;
         bytes_out += data.len() as u64;
         w.add_tensor(&t.name, &t.dims, ty, data)?;
@@ -179,15 +195,18 @@ pub fn write_gguf(
         n_elements: total,
         bytes_out,
         seconds: start.elapsed().as_secs_f64(),
+        with_imatrix,
     })
 }
 
-/// The bytes of `t` as type `ty`.
+/// The bytes of `t` as type `ty`, with importance `qw` (`slots × row_len` values, a slot being
+/// an expert of a 3-D tensor) when given.
 fn convert_tensor(
     pool: &ThreadPool,
     t: &PlannedTensor,
     ty: GgmlType,
     bar: &ProgressBar,
+    qw: Option<&[f32]>,
 ) -> Result<Vec<u8>> {
     if let Rows::Gguf { ty: src, data } = &t.rows {
         if *src == ty {
@@ -207,6 +226,12 @@ fn convert_tensor(
     if out.is_empty() {
         return Ok(out);
     }
+    let rows_per_slot = if t.dims.len() >= 3 {
+        t.dims[1] as usize
+    } else {
+        n_rows
+    }
+    .max(1);
     // About 16K values per chunk (llama.cpp's quantize chunk), whole rows only.
     let rows_per_chunk = (16_384 / row_len.max(1)).max(1);
     let chunks: Vec<Mutex<&mut [u8]>> = out
@@ -222,9 +247,14 @@ fn convert_tensor(
             let dst: &mut [u8] = &mut guard;
             for (j, dst_row) in dst.chunks_mut(row_bytes).enumerate() {
                 let r = c * rows_per_chunk + j;
-                let result = t
-                    .read_row(r, &mut row)
-                    .and_then(|()| quant::quantize_row(ty, &row, &mut q));
+                let result = t.read_row(r, &mut row).and_then(|()| match qw {
+                    Some(w) => {
+                        let slot = r / rows_per_slot;
+                        let w = &w[slot * row_len..(slot + 1) * row_len];
+                        quant::quantize_row_weighted(ty, &row, w, &mut q)
+                    }
+                    None => quant::quantize_row(ty, &row, &mut q),
+                });
                 if let Err(e) = result {
                     let mut f = failure.lock().unwrap_or_else(|e| e.into_inner());
                     f.get_or_insert(e.context(format!("row {r}")));

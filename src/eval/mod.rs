@@ -10,5 +10,7 @@
 //! legacy `imatrix.dat` layout. Nothing here changes how a model computes: a model evaluated here
 //! gives the logits `infer run` would give for the same tokens at the same positions.
 
+pub mod imatrix;
+pub mod observe;
 pub mod perplexity;
 pub mod stats;

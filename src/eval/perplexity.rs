@@ -82,12 +82,23 @@ impl<'m, B: Backend> Evaluator<'m, B> {
         hi: usize,
         first: usize,
     ) -> Result<Vec<Vec<f32>>> {
+        self.forward(window, lo, hi, |pos| pos >= first && pos + 1 < window.len())
+    }
+
+    /// Runs positions `lo..hi` of `window` and returns the logits of the positions `want`s.
+    pub fn forward(
+        &mut self,
+        window: &[u32],
+        lo: usize,
+        hi: usize,
+        want: impl Fn(usize) -> bool,
+    ) -> Result<Vec<Vec<f32>>> {
         let batch: Vec<BatchEntry<'_>> = (lo..hi)
             .map(|pos| BatchEntry {
                 token: window[pos],
                 pos: pos as u32,
                 block_table: &self.table,
-                logits: pos >= first && pos + 1 < window.len(),
+                logits: want(pos),
             })
             .collect();
         self.model.forward(&mut self.kv, &batch)

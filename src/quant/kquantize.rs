@@ -13,9 +13,9 @@ use super::blocks::{
 use super::quantize::{fp16, nearest_int};
 
 /// ggml's `GROUP_MAX_EPS`: groups whose largest magnitude is below this quantize to zero.
-const GROUP_MAX_EPS: f32 = 1e-15;
+pub(super) const GROUP_MAX_EPS: f32 = 1e-15;
 
-fn check_lens<B: Block>(src: &[f32], dst: &[u8]) {
+pub(super) fn check_lens<B: Block>(src: &[f32], dst: &[u8]) {
     assert!(
         src.len() % QK_K == 0,
         "row of {} values is not a whole number of {QK_K}-value super-blocks",
@@ -28,9 +28,16 @@ fn check_lens<B: Block>(src: &[f32], dst: &[u8]) {
     );
 }
 
-/// `make_qx_quants` for `qw == NULL`: symmetric quantization of `x` to `-nmax..nmax-1` (stored in
-/// `l` offset by `nmax`), searching 19 candidate scales; returns the scale.
-fn make_qx_quants(nmax: i32, x: &[f32], l_out: &mut [i8], rmse_type: i32) -> f32 {
+/// `make_qx_quants`: symmetric quantization of `x` to `-nmax..nmax-1` (stored in `l` offset by
+/// `nmax`), searching 19 candidate scales; returns the scale. The squared errors are weighted by
+/// `qw` (an importance) when given, else by a function of `x` chosen by `rmse_type`.
+pub(super) fn make_qx_quants(
+    nmax: i32,
+    x: &[f32],
+    l_out: &mut [i8],
+    rmse_type: i32,
+    qw: Option<&[f32]>,
+) -> f32 {
     let mut max = 0.0f32;
     let mut amax = 0.0f32;
     for &v in x {
@@ -57,18 +64,19 @@ fn make_qx_quants(nmax: i32, x: &[f32], l_out: &mut [i8], rmse_type: i32) -> f32
     } else {
         (rmse_type, false)
     };
-    let weight = |v: f32| match rmse_type {
-        1 => v * v,
-        2 => 1.0,
-        3 => v.abs(),
+    let weight = |i: usize, v: f32| match (qw, rmse_type) {
+        (Some(q), _) => q[i],
+        (None, 1) => v * v,
+        (None, 2) => 1.0,
+        (None, 3) => v.abs(),
         _ => v.abs().sqrt(),
     };
     let mut sumlx = 0.0f32;
     let mut suml2 = 0.0f32;
-    for (o, &v) in l_out.iter_mut().zip(x) {
+    for (i, (o, &v)) in l_out.iter_mut().zip(x).enumerate() {
         let l = clamp(nearest_int(iscale * v));
         *o = (l + nmax) as i8;
-        let w = weight(v);
+        let w = weight(i, v);
         sumlx += w * v * l as f32;
         suml2 += w * l as f32 * l as f32;
     }
@@ -88,9 +96,9 @@ fn make_qx_quants(nmax: i32, x: &[f32], l_out: &mut [i8], rmse_type: i32) -> f32
         iscale = -(nmax as f32 + 0.1 * is as f32) / max;
         sumlx = 0.0;
         suml2 = 0.0;
-        for &v in x {
+        for (i, &v) in x.iter().enumerate() {
             let l = clamp(nearest_int(iscale * v));
-            let w = weight(v);
+            let w = weight(i, v);
             sumlx += w * v * l as f32;
             suml2 += w * l as f32 * l as f32;
         }
@@ -255,7 +263,7 @@ fn make_qkx2_quants(p: &Qkx2, x: &[f32], weights: &[f32], l_out: &mut [u8]) -> (
 
 /// Packs 2-bit values (256) into 64 bytes as Q2_K/Q3_K do: byte `j/4 + l` of each 128-value half
 /// holds values `l, l+32, l+64, l+96` at bits 0, 2, 4, 6.
-fn pack_2bit(l: &[u8; QK_K], qs: &mut [u8; QK_K / 4]) {
+pub(super) fn pack_2bit(l: &[u8; QK_K], qs: &mut [u8; QK_K / 4]) {
     for j in (0..QK_K).step_by(128) {
         for i in 0..32 {
             qs[j / 4 + i] =
@@ -351,61 +359,69 @@ pub fn quantize_row_q3k(src: &[f32], dst: &mut [u8]) {
                 max_scale = scales[j];
             }
         }
-        let mut b = BlockQ3K {
-            hmask: [0; 32],
-            qs: [0; 64],
-            scales: [0; 12],
-            d: fp16(0.0),
-        };
+        let (mut ls, mut d) = ([0u8; 16], fp16(0.0));
         if max_scale != 0.0 {
             let iscale = -32.0 / max_scale;
-            for (j, &s) in scales.iter().enumerate() {
+            for (lv, &s) in ls.iter_mut().zip(&scales) {
                 // C: int8_t l = nearest_int(..); l = MAX(-32, MIN(31, l)) + 32;
-                let lv = (nearest_int(iscale * s) as i8).clamp(-32, 31) + 32;
-                let lv = lv as u8;
-                if j < 8 {
-                    b.scales[j] = lv & 0xF;
-                } else {
-                    b.scales[j - 8] |= (lv & 0xF) << 4;
-                }
-                b.scales[j % 4 + 8] |= (lv >> 4) << (2 * (j / 4));
+                *lv = ((nearest_int(iscale * s) as i8).clamp(-32, 31) + 32) as u8;
             }
-            b.d = fp16(1.0 / iscale);
+            d = fp16(1.0 / iscale);
         }
-        for j in 0..16 {
-            let low = if j < 8 {
-                b.scales[j] & 0xF
-            } else {
-                b.scales[j - 8] >> 4
-            };
-            let sc = (low | (((b.scales[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) as i32 - 32;
-            let d = b.d.to_f32() * sc as f32;
-            if d == 0.0 {
-                continue;
-            }
-            for ii in 0..16 {
-                l[16 * j + ii] = (nearest_int(x[16 * j + ii] / d).clamp(-4, 3) + 4) as i8;
-            }
-        }
-        let mut m = 0;
-        let mut hm = 1u8;
-        let mut low = [0u8; QK_K];
-        for (j, lo) in low.iter_mut().enumerate() {
-            let mut v = l[j];
-            if v > 3 {
-                b.hmask[m] |= hm;
-                v -= 4;
-            }
-            *lo = v as u8;
-            m += 1;
-            if m == QK_K / 8 {
-                m = 0;
-                hm = hm.wrapping_shl(1);
-            }
-        }
-        pack_2bit(&low, &mut b.qs);
-        b.write(out);
+        pack_q3k(x, &ls, d, &mut l, out);
     }
+}
+
+/// The end of a Q3_K block: 6-bit scales `ls` (offset by 32) and `d` stored, the values
+/// requantized against the stored scales, high bits to `hmask`, low bits packed.
+pub(super) fn pack_q3k(x: &[f32], ls: &[u8; 16], d: half::f16, l: &mut [i8; QK_K], out: &mut [u8]) {
+    let mut b = BlockQ3K {
+        hmask: [0; 32],
+        qs: [0; 64],
+        scales: [0; 12],
+        d,
+    };
+    for (j, &lv) in ls.iter().enumerate() {
+        if j < 8 {
+            b.scales[j] = lv & 0xF;
+        } else {
+            b.scales[j - 8] |= (lv & 0xF) << 4;
+        }
+        b.scales[j % 4 + 8] |= (lv >> 4) << (2 * (j / 4));
+    }
+    for j in 0..16 {
+        let low = if j < 8 {
+            b.scales[j] & 0xF
+        } else {
+            b.scales[j - 8] >> 4
+        };
+        let sc = (low | (((b.scales[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) as i32 - 32;
+        let d = b.d.to_f32() * sc as f32;
+        if d == 0.0 {
+            continue;
+        }
+        for ii in 0..16 {
+            l[16 * j + ii] = (nearest_int(x[16 * j + ii] / d).clamp(-4, 3) + 4) as i8;
+        }
+    }
+    let mut m = 0;
+    let mut hm = 1u8;
+    let mut low = [0u8; QK_K];
+    for (j, lo) in low.iter_mut().enumerate() {
+        let mut v = l[j];
+        if v > 3 {
+            b.hmask[m] |= hm;
+            v -= 4;
+        }
+        *lo = v as u8;
+        m += 1;
+        if m == QK_K / 8 {
+            m = 0;
+            hm = hm.wrapping_shl(1);
+        }
+    }
+    pack_2bit(&low, &mut b.qs);
+    b.write(out);
 }
 
 /// The shared scale search of Q4_K / Q5_K: per 32-value sub-block `make_qkx2_quants` with weights
@@ -441,10 +457,29 @@ fn q45k_block(x: &[f32], p: &Qkx2) -> (half::f16, half::f16, [u8; K_SCALE_SIZE],
         0.0
     };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+    let ls: [u8; 8] = std::array::from_fn(|j| (nearest_int(inv_scale * scales[j]) as u8).min(63));
+    let lm: [u8; 8] = std::array::from_fn(|j| (nearest_int(inv_min * mins[j]) as u8).min(63));
+    let d = fp16(max_scale / 63.0);
+    let dmin = fp16(max_min / 63.0);
+    let packed = q45k_finish(x, &ls, &lm, d, dmin, p.nmax, &mut l);
+    (d, dmin, packed, l)
+}
+
+/// The end of a Q4_K/Q5_K block: 6-bit scales `ls` and mins `lm` packed as `get_scale_min_k4`
+/// reads them, and `l` requantized to `0..=nmax` against the stored scales (sub-blocks whose
+/// stored scale is 0 keep their values). Returns the packed scales.
+pub(super) fn q45k_finish(
+    x: &[f32],
+    ls: &[u8; 8],
+    lm: &[u8; 8],
+    d: half::f16,
+    dmin: half::f16,
+    nmax: i32,
+    l: &mut [u8; QK_K],
+) -> [u8; K_SCALE_SIZE] {
     let mut packed = [0u8; K_SCALE_SIZE];
     for j in 0..8 {
-        let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
-        let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
+        let (ls, lm) = (ls[j], lm[j]);
         if j < 4 {
             packed[j] = ls;
             packed[j + 4] = lm;
@@ -454,9 +489,6 @@ fn q45k_block(x: &[f32], p: &Qkx2) -> (half::f16, half::f16, [u8; K_SCALE_SIZE],
             packed[j] |= (lm >> 4) << 6;
         }
     }
-    let d = fp16(max_scale / 63.0);
-    let dmin = fp16(max_min / 63.0);
-    let nmax = p.nmax;
     for j in 0..8 {
         let (sc, m) = get_scale_min_k4(j, &packed);
         let dd = d.to_f32() * sc as f32;
@@ -468,7 +500,7 @@ fn q45k_block(x: &[f32], p: &Qkx2) -> (half::f16, half::f16, [u8; K_SCALE_SIZE],
             l[32 * j + ii] = nearest_int((x[32 * j + ii] + dm) / dd).clamp(0, nmax) as u8;
         }
     }
-    (d, dmin, packed, l)
+    packed
 }
 
 /// Q4_K weights, as `quantize_row_q4_K_ref`.
@@ -486,21 +518,32 @@ pub fn quantize_row_q4k(src: &[f32], dst: &mut [u8]) {
         .zip(dst.chunks_exact_mut(BlockQ4K::BYTES))
     {
         let (d, dmin, scales, l) = q45k_block(x, &p);
-        let mut qs = [0u8; QK_K / 2];
-        for (j, q) in qs.chunks_exact_mut(32).enumerate() {
-            let base = 64 * j;
-            for i in 0..32 {
-                q[i] = l[base + i] | (l[base + i + 32] << 4);
-            }
-        }
-        BlockQ4K {
-            d,
-            dmin,
-            scales,
-            qs,
-        }
-        .write(out);
+        write_q4k(d, dmin, scales, &l, out);
     }
+}
+
+/// Packs a Q4_K block from its stored scales and 4-bit values.
+pub(super) fn write_q4k(
+    d: half::f16,
+    dmin: half::f16,
+    scales: [u8; K_SCALE_SIZE],
+    l: &[u8; QK_K],
+    out: &mut [u8],
+) {
+    let mut qs = [0u8; QK_K / 2];
+    for (j, q) in qs.chunks_exact_mut(32).enumerate() {
+        let base = 64 * j;
+        for i in 0..32 {
+            q[i] = l[base + i] | (l[base + i + 32] << 4);
+        }
+    }
+    BlockQ4K {
+        d,
+        dmin,
+        scales,
+        qs,
+    }
+    .write(out);
 }
 
 /// Q5_K weights, as `quantize_row_q5_K_ref`.
@@ -518,55 +561,75 @@ pub fn quantize_row_q5k(src: &[f32], dst: &mut [u8]) {
         .zip(dst.chunks_exact_mut(BlockQ5K::BYTES))
     {
         let (d, dmin, scales, l) = q45k_block(x, &p);
-        let mut qh = [0u8; QK_K / 8];
-        let mut qs = [0u8; QK_K / 2];
-        let (mut m1, mut m2) = (1u8, 2u8);
-        for (n, ql) in qs.chunks_exact_mut(32).enumerate() {
-            let base = 64 * n;
-            for j in 0..32 {
-                let mut l1 = l[base + j];
-                if l1 > 15 {
-                    l1 -= 16;
-                    qh[j] |= m1;
-                }
-                let mut l2 = l[base + j + 32];
-                if l2 > 15 {
-                    l2 -= 16;
-                    qh[j] |= m2;
-                }
-                ql[j] = l1 | (l2 << 4);
-            }
-            m1 = m1.wrapping_shl(2);
-            m2 = m2.wrapping_shl(2);
-        }
-        BlockQ5K {
-            d,
-            dmin,
-            scales,
-            qh,
-            qs,
-        }
-        .write(out);
+        write_q5k(d, dmin, scales, &l, out);
     }
+}
+
+/// Packs a Q5_K block from its stored scales and 5-bit values.
+pub(super) fn write_q5k(
+    d: half::f16,
+    dmin: half::f16,
+    scales: [u8; K_SCALE_SIZE],
+    l: &[u8; QK_K],
+    out: &mut [u8],
+) {
+    let mut qh = [0u8; QK_K / 8];
+    let mut qs = [0u8; QK_K / 2];
+    let (mut m1, mut m2) = (1u8, 2u8);
+    for (n, ql) in qs.chunks_exact_mut(32).enumerate() {
+        let base = 64 * n;
+        for j in 0..32 {
+            let mut l1 = l[base + j];
+            if l1 > 15 {
+                l1 -= 16;
+                qh[j] |= m1;
+            }
+            let mut l2 = l[base + j + 32];
+            if l2 > 15 {
+                l2 -= 16;
+                qh[j] |= m2;
+            }
+            ql[j] = l1 | (l2 << 4);
+        }
+        m1 = m1.wrapping_shl(2);
+        m2 = m2.wrapping_shl(2);
+    }
+    BlockQ5K {
+        d,
+        dmin,
+        scales,
+        qh,
+        qs,
+    }
+    .write(out);
 }
 
 /// Q6_K weights, as `quantize_row_q6_K_ref`.
 pub fn quantize_row_q6k(src: &[f32], dst: &mut [u8]) {
+    quantize_q6k(src, None, dst);
+}
+
+/// Q6_K weights with an optional importance per value (`quantize_row_q6_K_impl`: the importance
+/// weights each sub-block's scale search directly; without it this is the reference quantizer).
+pub(super) fn quantize_q6k(src: &[f32], qw: Option<&[f32]>, dst: &mut [u8]) {
     check_lens::<BlockQ6K>(src, dst);
-    for (x, out) in src
+    for (bi, (x, out)) in src
         .chunks_exact(QK_K)
         .zip(dst.chunks_exact_mut(BlockQ6K::BYTES))
+        .enumerate()
     {
         let mut l = [0i8; QK_K];
         let mut scales = [0f32; 16];
         let mut max_scale = 0.0f32;
         let mut max_abs_scale = 0.0f32;
         for ib in 0..16 {
+            let w = qw.map(|q| &q[QK_K * bi + 16 * ib..QK_K * bi + 16 * ib + 16]);
             let scale = make_qx_quants(
                 32,
                 &x[16 * ib..16 * ib + 16],
                 &mut l[16 * ib..16 * ib + 16],
                 1,
+                w,
             );
             scales[ib] = scale;
             let abs_scale = scale.abs();

@@ -3,7 +3,7 @@
 //! This module owns the meaning of tensor bytes: `blocks` (ggml's `#[repr(C)]` block structs and
 //! their safe little-endian codecs), `dequant` (`dequantize_row_*`), `quantize` (activation Q8
 //! quantizers and legacy/float weight quantizers), `kquantize` (the k-quant `*_ref` weight
-//! quantizers) and `dot` (ggml's generic `ggml_vec_dot_*`). Everything is scalar, safe Rust
+//! quantizers), `weighted` (their importance-matrix twins, ggml's `*_impl`) and `dot` (ggml's generic `ggml_vec_dot_*`). Everything is scalar, safe Rust
 //! operating on unaligned byte slices, and reproduces ggml's arithmetic bit-for-bit (same rounding
 //! functions, same expression order, no fused multiply-add): it is the reference the SIMD kernels
 //! are tested against. A matmul row is computed as ggml-cpu does: quantize the f32 activations once
@@ -15,6 +15,7 @@ pub mod dequant;
 pub mod dot;
 pub mod kquantize;
 pub mod quantize;
+pub mod weighted;
 
 use anyhow::{bail, ensure, Result};
 
@@ -130,6 +131,47 @@ pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], act: &[u8]) -> f32 {
         GgmlType::Q6K => dot::vec_dot_q6k_q8k(n, w, act),
         other => panic!("no scalar dot product for weight type {}", other.name()),
     }
+}
+
+/// [`quantize_row`] with an importance per column (`qw`, one imatrix entry: as long as the row):
+/// Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0 and Q5_1 minimise the importance-weighted error as
+/// `llama-quantize --imatrix` does; the other types ignore it, as ggml's do (Q2_K included here:
+/// its weighted search is not implemented, so it keeps the reference quantizer).
+pub fn quantize_row_weighted(
+    ty: GgmlType,
+    src: &[f32],
+    qw: &[f32],
+    dst: &mut Vec<u8>,
+) -> Result<()> {
+    let f: fn(&[f32], &[f32], &mut [u8]) = match ty {
+        GgmlType::Q3K => weighted::quantize_q3k,
+        GgmlType::Q4K => weighted::quantize_q4k,
+        GgmlType::Q5K => weighted::quantize_q5k,
+        GgmlType::Q6K => weighted::quantize_q6k_weighted,
+        GgmlType::Q4_0 => weighted::quantize_q4_0,
+        GgmlType::Q4_1 => weighted::quantize_q4_1,
+        GgmlType::Q5_0 => weighted::quantize_q5_0,
+        GgmlType::Q5_1 => weighted::quantize_q5_1,
+        _ => return quantize_row(ty, src, dst),
+    };
+    ensure!(
+        qw.len() == src.len(),
+        "importance of {} values for a row of {}",
+        qw.len(),
+        src.len()
+    );
+    let Some(bytes) = ty.row_bytes(src.len()) else {
+        bail!(
+            "{} row of {} values is not a whole number of {}-value blocks",
+            ty.name(),
+            src.len(),
+            ty.block_size()
+        );
+    };
+    dst.clear();
+    dst.resize(bytes, 0);
+    f(src, qw, dst);
+    Ok(())
 }
 
 /// Quantizes f32 weights into `ty` (replacing `dst`'s contents) with ggml's deterministic

@@ -277,7 +277,7 @@ pub fn quantize_row_q4_1(src: &[f32], dst: &mut [u8]) {
 
 /// Packs 32 five-bit values into (qh, qs) as ggml's Q5 quantizers do.
 #[inline]
-fn pack_q5(v: &[u8; 32]) -> ([u8; 4], [u8; 16]) {
+pub(crate) fn pack_q5(v: &[u8; 32]) -> ([u8; 4], [u8; 16]) {
     let mut qh = 0u32;
     let mut qs = [0u8; 16];
     for j in 0..16 {
