@@ -288,3 +288,34 @@ fn perplexity_usage_errors() {
     assert!(out.starts_with("PPL = ") && out.contains(" +/- "), "{out}");
     assert!(stderr(&o).is_empty(), "--quiet leaves stderr empty");
 }
+
+/// Both real models against llama.cpp's `llama-perplexity` on the same text and windows
+/// (`llama-perplexity -m MODEL -f tests/fixtures/eval/sherlock-eval.txt -c CTX --chunks 4 -t 2`,
+/// llama.cpp build of ggml 0.25.3): the final figure within 1%. Gemma adds BOS (each window starts
+/// with it), Qwen does not.
+#[test]
+fn real_models_match_llama_perplexity() {
+    let text = root().join("tests/fixtures/eval/sherlock-eval.txt");
+    for (file, ctx, want) in [
+        (common::QWEN, "128", 16.0129),
+        (common::GEMMA, "256", 28.8105),
+    ] {
+        let m = common::model(file);
+        let j = perplexity_json(&[
+            "perplexity",
+            "-m",
+            m.to_str().unwrap(),
+            "-f",
+            text.to_str().unwrap(),
+            "--ctx",
+            ctx,
+            "--chunks",
+            "4",
+            "--json",
+        ]);
+        let got = j["ppl"].as_f64().unwrap();
+        eprintln!("{file}: PPL {got} (llama.cpp {want})");
+        assert_eq!(j["windows"], 4);
+        close(got, want, 0.01, file);
+    }
+}
