@@ -33,7 +33,8 @@ fn f32s(hex: &str) -> Vec<f32> {
         .collect()
 }
 
-const TYPES: [(GgmlType, &str); 8] = [
+const TYPES: [(GgmlType, &str); 9] = [
+    (GgmlType::Q2K, "q2_K"),
     (GgmlType::Q4_0, "q4_0"),
     (GgmlType::Q4_1, "q4_1"),
     (GgmlType::Q5_0, "q5_0"),

@@ -123,7 +123,7 @@ pub struct QuantizeArgs {
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
     /// Importance matrix (`infer imatrix`, or llama.cpp's legacy imatrix.dat) weighting the
-    /// quantization error of q3_k..q6_k and q4_0/q4_1/q5_0/q5_1
+    /// quantization error of q2_k..q6_k and q4_0/q4_1/q5_0/q5_1
     #[arg(long, value_name = "FILE")]
     pub imatrix: Option<PathBuf>,
 }

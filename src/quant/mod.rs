@@ -134,9 +134,8 @@ pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], act: &[u8]) -> f32 {
 }
 
 /// [`quantize_row`] with an importance per column (`qw`, one imatrix entry: as long as the row):
-/// Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0 and Q5_1 minimise the importance-weighted error as
-/// `llama-quantize --imatrix` does; the other types ignore it, as ggml's do (Q2_K included here:
-/// its weighted search is not implemented, so it keeps the reference quantizer).
+/// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0 and Q5_1 minimise the importance-weighted
+/// error as `llama-quantize --imatrix` does; the other types ignore it, as ggml's do.
 pub fn quantize_row_weighted(
     ty: GgmlType,
     src: &[f32],
@@ -144,6 +143,7 @@ pub fn quantize_row_weighted(
     dst: &mut Vec<u8>,
 ) -> Result<()> {
     let f: fn(&[f32], &[f32], &mut [u8]) = match ty {
+        GgmlType::Q2K => weighted::quantize_q2k,
         GgmlType::Q3K => weighted::quantize_q3k,
         GgmlType::Q4K => weighted::quantize_q4k,
         GgmlType::Q5K => weighted::quantize_q5k,

@@ -1,5 +1,6 @@
 //! Importance-weighted weight quantizers: ggml's `quantize_row_*_impl` with `quant_weights`, the
-//! path `llama-quantize --imatrix` takes for Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0 and Q5_1.
+//! path `llama-quantize --imatrix` takes for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0 and
+//! Q5_1.
 //!
 //! `qw` holds one importance per column of the row (the imatrix entry: mean squared activation
 //! of that input channel). As ggml does, the weight of value `x` in column `c` is
@@ -10,11 +11,11 @@
 //! expression order follows the C (`w*x*l` is `(w*x)*l`, no fused multiply-add).
 
 use super::blocks::{
-    Block, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, QK_K,
+    Block, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, QK_K,
 };
 use super::kquantize::{
-    check_lens, make_qx_quants, pack_q3k, q45k_finish, quantize_q6k, write_q4k, write_q5k,
-    GROUP_MAX_EPS,
+    check_lens, make_qx_quants, pack_2bit, pack_q3k, q45k_finish, quantize_q6k, write_q4k,
+    write_q5k, GROUP_MAX_EPS,
 };
 use super::quantize::{fp16, nearest_int, pack_q5};
 
@@ -164,13 +165,18 @@ fn make_qp_quants(nmax: i32, x: &[f32], l_out: &mut [u8], qw: &[f32]) -> f32 {
     }
 }
 
-/// `σ²` of a k-quant super-block: twice the mean square.
-fn sigma2_k(x: &[f32]) -> f32 {
+/// `Σ x²` in order.
+fn sum_sq(x: &[f32]) -> f32 {
     let mut s = 0.0f32;
     for &v in x {
         s += v * v;
     }
-    2.0 * s / QK_K as f32
+    s
+}
+
+/// `σ²` of a k-quant super-block: twice the mean square.
+fn sigma2_k(x: &[f32]) -> f32 {
+    2.0 * sum_sq(x) / QK_K as f32
 }
 
 /// The importance-derived weights of `n` values starting at `x[at]`.
@@ -179,6 +185,49 @@ fn weights(x: &[f32], qw: &[f32], sigma2: f32) -> Vec<f32> {
         .zip(qw)
         .map(|(&v, &q)| q * (sigma2 + v * v).sqrt())
         .collect()
+}
+
+/// Q2_K with importance (`quantize_row_q2_K_impl`; σ² is the plain mean square here).
+pub fn quantize_q2k(src: &[f32], qw: &[f32], dst: &mut [u8]) {
+    check_lens::<BlockQ2K>(src, dst);
+    for (bi, (x, out)) in src
+        .chunks_exact(QK_K)
+        .zip(dst.chunks_exact_mut(BlockQ2K::BYTES))
+        .enumerate()
+    {
+        let sigma2 = sum_sq(x) / QK_K as f32;
+        let mut l = [0u8; QK_K];
+        let (mut scales, mut mins, mut sw) = ([0f32; 16], [0f32; 16], [0f32; 16]);
+        for j in 0..16 {
+            let xs = &x[16 * j..16 * j + 16];
+            let w = weights(xs, &qw[QK_K * bi + 16 * j..], sigma2);
+            sw[j] = w.iter().fold(0.0f32, |a, &b| a + b);
+            (scales[j], mins[j]) = make_qkx3_quants(3, xs, &w, &mut l[16 * j..16 * j + 16]);
+        }
+        let (mut ls, mut lm) = ([0u8; 16], [0u8; 16]);
+        let d = fp16(make_qp_quants(15, &scales, &mut ls, &sw));
+        let dmin = fp16(make_qp_quants(15, &mins, &mut lm, &sw));
+        let (dm, mm) = (d.to_f32(), dmin.to_f32());
+        let packed: [u8; 16] = std::array::from_fn(|j| ls[j] | (lm[j] << 4));
+        for j in 0..16 {
+            let dd = dm * (packed[j] & 0xF) as f32;
+            if dd == 0.0 {
+                continue;
+            }
+            let m = mm * (packed[j] >> 4) as f32;
+            for ii in 0..16 {
+                l[16 * j + ii] = nearest_int((x[16 * j + ii] + m) / dd).clamp(0, 3) as u8;
+            }
+        }
+        let mut b = BlockQ2K {
+            scales: packed,
+            qs: [0; 64],
+            d,
+            dmin,
+        };
+        pack_2bit(&l, &mut b.qs);
+        b.write(out);
+    }
 }
 
 /// Q3_K with importance (`quantize_row_q3_K_impl`).
@@ -262,11 +311,7 @@ pub fn quantize_q6k_weighted(src: &[f32], qw: &[f32], dst: &mut [u8]) {
 
 /// `σ²` of a legacy-quant row: its mean square.
 fn sigma2_row(x: &[f32]) -> f32 {
-    let mut s = 0.0f32;
-    for &v in x {
-        s += v * v;
-    }
-    s / x.len() as f32
+    sum_sq(x) / x.len() as f32
 }
 
 /// Q4_0 with importance (`quantize_row_q4_0_impl`).
