@@ -402,3 +402,44 @@ fn observing_a_model_leaves_its_logits_unchanged() {
     // 39 tokens went through every block matrix: ceil(39 / 64) = 1 call
     assert!(m.entries.values().all(|e| e.ncall == 1));
 }
+
+#[test]
+fn imatrix_usage_and_file_errors() {
+    let dir = scratch("errors");
+    let gguf = convert("qwen2", "f32", &dir);
+    let (m, out) = (gguf.to_str().unwrap(), dir.join("i.dat"));
+    let o = out.to_str().unwrap();
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "hello").unwrap();
+    let s = short.to_str().unwrap();
+    let code = |args: &[&str]| {
+        let r = infer(args, None);
+        (r.status.code(), stderr(&r))
+    };
+    let (c, e) = code(&["imatrix", "-m", m, "-f", "/nonexistent", "-o", o]);
+    assert_eq!(c, Some(2), "{e}");
+    let (c, e) = code(&["imatrix", "-m", m, "-f", s, "-o", o, "--ctx", "2"]);
+    assert_eq!(c, Some(2), "{e}");
+    let (c, e) = code(&["imatrix", "-m", m, "-f", s, "-o", o, "--ctx", "64"]);
+    assert_eq!(c, Some(1));
+    assert!(e.contains("fewer than one window of 64"), "{e}");
+    assert!(!out.exists());
+    let q = dir.join("q.gguf");
+    let q = q.to_str().unwrap();
+    let args = [
+        "quantize",
+        "--in",
+        m,
+        "--out",
+        q,
+        "--type",
+        "q4_0",
+        "--imatrix",
+    ];
+    let (c, e) = code(&[&args[..], &["/nonexistent.dat"]].concat());
+    assert_eq!(c, Some(2), "{e}");
+    std::fs::write(&out, b"\x05\x00\x00\x00garbage").unwrap();
+    let (c, e) = code(&[&args[..], &[o]].concat());
+    assert_eq!(c, Some(1));
+    assert!(e.contains("is not an imatrix file"), "{e}");
+}
