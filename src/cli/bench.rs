@@ -13,7 +13,10 @@ use crate::cli::load::load;
 use crate::cli::UsageError;
 use infer::engine::runner::Sequence;
 use infer::kernels::cpu::membw::BandwidthBuffer;
+use infer::kernels::cuda::device::DeviceBackend;
+use infer::kernels::cuda::launch::DevBuf;
 use infer::model::weights::bytes_per_token;
+use infer::model::Backend;
 
 /// Deterministic pseudo-random token ids (xorshift), as llama-bench feeds random tokens.
 struct Tokens(u64);
@@ -76,9 +79,22 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let bpt = bytes_per_token(&loaded.gguf);
     let model_bytes = loaded.gguf.file_size();
     let mut rng = Tokens(0x9E37_79B9_7F4A_7C15);
-    let buf = BandwidthBuffer::new(512 << 20);
-    let pool = &runner.model.backend.cpu.pool;
-    buf.read_once(pool); // warm the pages
+    let backend = runner.model.backend.name();
+    // All on the GPU: the roofline is the device's memory (read + write of a 1 GiB buffer);
+    // otherwise the host's (a read of 512 MiB by every thread).
+    let gpu = match &runner.model.backend.cuda {
+        Some(c) if backend == "cuda" => Some(DevBuf::new(c.launcher(), 1 << 30)?),
+        _ => None,
+    };
+    let buf = BandwidthBuffer::new(if gpu.is_some() { 4096 } else { 512 << 20 });
+    let measure_bandwidth = |runner: &infer::engine::runner::Runner<DeviceBackend>| -> Result<f64> {
+        let be = &runner.model.backend;
+        Ok(match (&gpu, &be.cuda) {
+            (Some(b), Some(c)) => c.stream_bandwidth(b)?,
+            _ => buf.read_once(&be.cpu.pool),
+        } / 1e9)
+    };
+    measure_bandwidth(&runner)?; // warm the pages
     let mut bandwidth = Summary {
         name: "bandwidth".into(),
         runs: Vec::new(),
@@ -125,9 +141,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             pp.runs.push(a.n_prompt as f64 / t0.elapsed().as_secs_f64());
             runner.release(&mut seq);
         }
-        bandwidth
-            .runs
-            .push(buf.read_once(&runner.model.backend.cpu.pool) / 1e9);
+        bandwidth.runs.push(measure_bandwidth(&runner)?);
         if a.n_gen > 0 {
             let mut seq = fresh(&mut runner, &mut rng)?;
             let t0 = Instant::now();
@@ -168,7 +182,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "model_bytes": model_bytes,
                 "bytes_per_token": bpt,
                 "threads": loaded.threads,
-                "backend": "cpu",
+                "backend": backend,
                 "reps": a.reps,
                 "tests": rows,
                 "bandwidth_gbs": {"median": bw, "min": bandwidth.min(), "max": bandwidth.max(), "runs": bandwidth.runs},
@@ -185,9 +199,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     for s in &tests {
         writeln!(
             out,
-            "| {} | {:.2} GiB | cpu | {} | {} | {:.2} | {:.2} – {:.2} |",
+            "| {} | {:.2} GiB | {} | {} | {} | {:.2} | {:.2} – {:.2} |",
             name,
             model_bytes as f64 / (1u64 << 30) as f64,
+            backend,
             loaded.threads,
             s.name,
             s.median(),
@@ -197,7 +212,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     writeln!(
         out,
-        "\nmemory read bandwidth (same run, {} reps): median {:.1} GB/s (min {:.1}, max {:.1})",
+        "\n{} bandwidth (same run, {} reps): median {:.1} GB/s (min {:.1}, max {:.1})",
+        if gpu.is_some() {
+            "GPU memory read+write"
+        } else {
+            "memory read"
+        },
         a.reps,
         bw,
         bandwidth.min(),

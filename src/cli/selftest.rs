@@ -9,9 +9,10 @@ use anyhow::{anyhow, bail, Result};
 
 use crate::cli::args::SelftestArgs;
 use infer::format::{GgmlType, Gguf};
-use infer::kernels::cuda::launch::Launch;
+use infer::kernels::cuda::launch::{Arg, Launch};
 use infer::kernels::cuda::{check, check_forward, driver};
 use infer::model::ModelConfig;
+use std::time::Instant;
 
 pub fn selftest(a: SelftestArgs) -> Result<()> {
     let driver =
@@ -66,9 +67,35 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
             r.rows
         );
     }
+    launch_overhead(&*l)?;
     if failed > 0 {
         bail!("{failed} of {total} CUDA checks failed");
     }
     println!("all {total} checks passed");
+    Ok(())
+}
+
+/// What one kernel launch costs, the floor under a decode step of a few hundred small kernels:
+/// the host's time to queue 2000 launches of a one-element kernel, and the time until the device
+/// has run them all.
+fn launch_overhead(l: &dyn Launch) -> Result<()> {
+    const N: u32 = 2000;
+    let buf = l.alloc(256)?;
+    let args = [Arg::Ptr(buf), Arg::F32(1.0), Arg::I64(1)];
+    l.launch("scale", [1, 1, 1], [32, 1, 1], &args)?;
+    l.sync()?;
+    let t0 = Instant::now();
+    for _ in 0..N {
+        l.launch("scale", [1, 1, 1], [32, 1, 1], &args)?;
+    }
+    let queued = t0.elapsed().as_secs_f64();
+    l.sync()?;
+    let done = t0.elapsed().as_secs_f64();
+    l.free(buf);
+    println!(
+        "launch overhead: {:.2} µs per launch queued by the host, {:.2} µs per launch run ({N} launches)",
+        queued / N as f64 * 1e6,
+        done / N as f64 * 1e6
+    );
     Ok(())
 }

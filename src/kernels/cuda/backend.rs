@@ -48,7 +48,15 @@ pub struct CudaBackend {
     l: Arc<dyn Launch>,
     /// Grow-only scratch: q8_1 activations and attention partials.
     scratch: Mutex<[Option<DevBuf>; 2]>,
+    /// Recently uploaded index tables (positions, KV slots, block tables), most recent first: a
+    /// decode step asks for the same tables in every layer, so each is uploaded once per step.
+    /// Kernels only read them.
+    tables: Mutex<Vec<(Vec<i32>, DevBuf)>>,
 }
+
+/// Index tables kept by [`CudaBackend::ints`]; an op uses at most 3, so none it asked for is
+/// dropped (and freed before its launch) while it still needs it.
+const TABLES: usize = 8;
 
 const Q8: usize = 0;
 const PART: usize = 1;
@@ -70,6 +78,7 @@ impl CudaBackend {
         CudaBackend {
             l,
             scratch: Mutex::new([None, None]),
+            tables: Mutex::new(Vec::with_capacity(TABLES)),
         }
     }
 
@@ -84,6 +93,16 @@ impl CudaBackend {
         ok("uploading an activation", self.l.upload(a.buf.ptr, &bytes))
     }
 
+    /// Device memory bandwidth in bytes/s (read + written), for `infer bench`: one `scale` pass
+    /// over `buf` (every value read and written once), timed between two stream syncs.
+    pub fn stream_bandwidth(&self, buf: &DevBuf) -> Result<f64> {
+        self.l.sync()?;
+        let t0 = std::time::Instant::now();
+        ops::scale(&*self.l, buf.ptr, 1.0, buf.bytes / 4)?;
+        self.l.sync()?;
+        Ok(2.0 * buf.bytes as f64 / t0.elapsed().as_secs_f64())
+    }
+
     /// A device address of scratch buffer `which` holding at least `bytes`.
     fn scratch(&self, which: usize, bytes: usize) -> Result<u64> {
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
@@ -94,8 +113,18 @@ impl CudaBackend {
         Ok(s[which].as_ref().map(|b| b.ptr).unwrap_or(0))
     }
 
-    fn ints(&self, v: &[i32]) -> Result<DevBuf> {
-        DevBuf::from_i32(&self.l, if v.is_empty() { &[0] } else { v })
+    /// The device address of a table holding `v` (see `tables`).
+    fn ints(&self, v: &[i32]) -> Result<u64> {
+        let v = if v.is_empty() { &[0][..] } else { v };
+        let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = t.iter().position(|(k, _)| k == v) {
+            let hit = t.remove(i);
+            t.insert(0, hit);
+        } else {
+            t.truncate(TABLES - 1);
+            t.insert(0, (v.to_vec(), DevBuf::from_i32(&self.l, v)?));
+        }
+        Ok(t[0].1.ptr)
     }
 
     fn try_matmul_many(&self, x: &CudaAct, jobs: &mut [MatmulJob<'_, Self>]) -> Result<()> {
@@ -166,8 +195,8 @@ impl CudaBackend {
             q: q.buf.ptr,
             k_cache: kv.k[layer].ptr,
             v_cache: kv.v[layer].ptr,
-            tables: tables.ptr,
-            meta: meta.ptr,
+            tables,
+            meta,
             part: if tiled {
                 0
             } else {
@@ -185,7 +214,7 @@ impl CudaBackend {
         };
         if tiled {
             let tiles_d = self.ints(&tiles)?;
-            return ops::attention_prefill(&*self.l, &a, tiles_d.ptr, tiles.len() / 2);
+            return ops::attention_prefill(&*self.l, &a, tiles_d, tiles.len() / 2);
         }
         ops::attention(&*self.l, &a)
     }
@@ -296,7 +325,7 @@ impl Backend for CudaBackend {
                     &*self.l,
                     table.ty,
                     table.buf.ptr,
-                    ids.ptr,
+                    ids,
                     out.buf.ptr,
                     (tokens.len(), table.cols),
                     scale,
@@ -348,7 +377,7 @@ impl Backend for CudaBackend {
                 ops::rope(
                     &*self.l,
                     x.buf.ptr,
-                    pos.ptr,
+                    pos,
                     ff,
                     (x.rows, x.cols),
                     rope.head_dim,
@@ -394,7 +423,7 @@ impl Backend for CudaBackend {
                     &*self.l,
                     caches,
                     (k.buf.ptr, v.buf.ptr),
-                    s.ptr,
+                    s,
                     slots.len(),
                     kv.kv_dim,
                 )
@@ -426,15 +455,7 @@ impl Backend for CudaBackend {
             (|| {
                 let r = self.ints(&i32s(rows.iter().copied()))?;
                 let s = DevBuf::from_f32(&self.l, scales)?;
-                ops::add_rows_scaled(
-                    &*self.l,
-                    x.buf.ptr,
-                    y.buf.ptr,
-                    r.ptr,
-                    s.ptr,
-                    rows.len(),
-                    x.cols,
-                )
+                ops::add_rows_scaled(&*self.l, x.buf.ptr, y.buf.ptr, r, s.ptr, rows.len(), x.cols)
             })(),
         )
     }
@@ -460,14 +481,7 @@ impl Backend for CudaBackend {
                 "gather_rows",
                 (|| {
                     let idx = self.ints(&i32s(rows.iter().copied()))?;
-                    ops::gather_rows(
-                        &*self.l,
-                        x.buf.ptr,
-                        idx.ptr,
-                        out.buf.ptr,
-                        rows.len(),
-                        x.cols,
-                    )
+                    ops::gather_rows(&*self.l, x.buf.ptr, idx, out.buf.ptr, rows.len(), x.cols)
                 })(),
             );
         }
