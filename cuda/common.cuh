@@ -63,6 +63,37 @@ __device__ __forceinline__ int dp4a_s8(int a, int b, int c) {
 #endif
 }
 
+/// c += A·B for one 16×8×16 tile of signed bytes on the integer tensor cores
+/// (`mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32`, sm_80+), in the PTX fragment layout (PTX
+/// ISA, "Matrix Fragments for mma.m16n8k16 with integer type"), with g = lane / 4, t = lane % 4:
+/// a0 / a1 hold A[g][4t..4t+3] / A[g+8][4t..4t+3] (byte 0 lowest), b holds B[4t..4t+3][g] (the
+/// column of B is a row of the k-contiguous B^T), and c[i] is C[g + 8 * (i / 2)][2t + i % 2].
+/// Called by all 32 lanes of a warp together. The fallback (CPU emulator, pre-sm_80) gathers the
+/// same elements with warp shuffles and `dp4a`, so both give exactly the same int32 results.
+__device__ __forceinline__ void mma_s8_16816(int (&c)[4], int a0, int a1, int b) {
+#if !defined(INFER_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+      "{%0, %1, %2, %3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(b));
+#else
+  const int lane = (int)((threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x) % 32;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    // k = 4q..4q+3: row g (g+8) of A from lane 4g+q; columns 2t, 2t+1 of B from lanes 8t+q, 8t+4+q.
+    const int x0 = __shfl_sync(FULL_MASK, a0, 4 * g + q);
+    const int x1 = __shfl_sync(FULL_MASK, a1, 4 * g + q);
+    const int y0 = __shfl_sync(FULL_MASK, b, 8 * t + q);
+    const int y1 = __shfl_sync(FULL_MASK, b, 8 * t + 4 + q);
+    c[0] = dp4a_s8(x0, y0, c[0]);
+    c[1] = dp4a_s8(x0, y1, c[1]);
+    c[2] = dp4a_s8(x1, y0, c[2]);
+    c[3] = dp4a_s8(x1, y1, c[3]);
+  }
+#endif
+}
+
 /// Reads 4 bytes at a 2-byte-aligned address (ggml rows of Q4_0/Q5_0/Q8_0/Q6_K are 2-aligned).
 __device__ __forceinline__ int load_i32_a2(const uint8_t* p) {
   const uint16_t* h = reinterpret_cast<const uint16_t*>(p);

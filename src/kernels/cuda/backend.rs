@@ -156,8 +156,14 @@ impl CudaBackend {
                 );
             }
             let quantized = ops::gemv_kernel(w.ty).is_some_and(|(_, q)| q);
-            let input = if quantized { q8 } else { x.buf.ptr };
-            ops::gemv(l, w.ty, w.buf.ptr, input, out.buf.ptr, (w.rows, w.cols, n))?;
+            let shape = (w.rows, w.cols, n);
+            if n > ops::GEMV_TOKENS && ops::gemm_kernel(w.ty).is_some() {
+                // Prefill: tensor-core tiles read the weights n/64 times instead of n/8.
+                ops::gemm(l, w.ty, w.buf.ptr, q8, out.buf.ptr, shape)?;
+            } else {
+                let input = if quantized { q8 } else { x.buf.ptr };
+                ops::gemv(l, w.ty, w.buf.ptr, input, out.buf.ptr, shape)?;
+            }
             if let Some(b) = bias {
                 ops::add_bias(l, out.buf.ptr, b.buf.ptr, n, w.rows)?;
             }

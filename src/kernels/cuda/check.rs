@@ -2,9 +2,9 @@
 //! on the CPU emulator, `infer selftest --device cuda` on a GPU. Each check draws deterministic
 //! inputs, runs the kernel, and compares with an independent host computation (the quantizers and
 //! dequantizers of `crate::quant`, `kernels::cpu::ops`, an f64 softmax attention), at shapes
-//! chosen to hit ragged tails (rows not a multiple of 4, tokens not a multiple of 8, rows shorter
-//! than a warp's stride, several attention splits, GQA groups). Errors are relative to the scale
-//! named per check; tolerances are stated next to each.
+//! chosen to hit ragged tails (rows not a multiple of 4 or of the GEMM's 64, tokens not a multiple
+//! of 8 or 64, rows shorter than a warp's stride, several attention splits, GQA groups). Errors
+//! are relative to the scale named per check; tolerances are stated next to each.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -117,6 +117,9 @@ pub fn run_all(l: &Arc<dyn Launch>) -> Result<Vec<Check>> {
         GgmlType::F32,
     ] {
         gemv(&mut c, ty)?;
+        if ops::gemm_kernel(ty).is_some() {
+            gemm(&mut c, ty)?;
+        }
         get_rows(&mut c, ty)?;
     }
     rms_norm(&mut c)?;
@@ -186,31 +189,91 @@ fn gemv(c: &mut Ctx, ty: GgmlType) -> Result<()> {
         };
         let secs =
             c.timed(|| ops::gemv(&**c.l, ty, w.ptr, input.ptr, out.ptr, (rows, cols, nt)))?;
-        let got = out.to_f32()?;
-        let mut err = 0f64;
-        for t in 0..nt {
-            for r in 0..rows {
-                let (wr, xr) = (
-                    &wdeq[r * cols..(r + 1) * cols],
-                    &xs[t * cols..(t + 1) * cols],
-                );
-                let exact: f64 = wr.iter().zip(xr).map(|(&a, &b)| a as f64 * b as f64).sum();
-                let mag: f64 = wr
-                    .iter()
-                    .zip(xr)
-                    .map(|(&a, &b)| (a as f64 * b as f64).abs())
-                    .sum();
-                err = err.max((got[t * rows + r] as f64 - exact).abs() / mag.max(1e-30));
-            }
-        }
-        // Q4_K's min term uses the f16-rounded block sum `s` of q8_1 (as ggml's CUDA and CPU
-        // q8_1 dot products do): up to 2^-11 of that term.
-        let tol = if ty == GgmlType::Q4K { 2e-3 } else { 1e-5 };
+        let err = matmul_err(&out.to_f32()?, &wdeq, xs, (rows, cols, nt));
         c.push(
             kernel,
             format!("{rows}x{cols}, {nt} tok (rel. to sum|w·x|)"),
             err,
-            tol,
+            matmul_tol(ty),
+            secs,
+        );
+    }
+    Ok(())
+}
+
+/// Largest |got - w·x| / sum|w·x| over an `nt × rows` result, with f64 dot products of the
+/// dequantized weights and activations.
+fn matmul_err(
+    got: &[f32],
+    wdeq: &[f32],
+    xs: &[f32],
+    (rows, cols, nt): (usize, usize, usize),
+) -> f64 {
+    let mut err = 0f64;
+    for t in 0..nt {
+        for r in 0..rows {
+            let (wr, xr) = (
+                &wdeq[r * cols..(r + 1) * cols],
+                &xs[t * cols..(t + 1) * cols],
+            );
+            let exact: f64 = wr.iter().zip(xr).map(|(&a, &b)| a as f64 * b as f64).sum();
+            let mag: f64 = wr
+                .iter()
+                .zip(xr)
+                .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                .sum();
+            err = err.max((got[t * rows + r] as f64 - exact).abs() / mag.max(1e-30));
+        }
+    }
+    err
+}
+
+/// Q4_K's min term uses the f16-rounded block sum `s` of q8_1 (as ggml's CUDA and CPU q8_1 dot
+/// products do): up to 2^-11 of that term. Everything else is exact integer sums scaled in f32.
+fn matmul_tol(ty: GgmlType) -> f64 {
+    if ty == GgmlType::Q4K {
+        2e-3
+    } else {
+        1e-5
+    }
+}
+
+/// The tensor-core GEMM (q8_1 activations) at ragged shapes: 1, 37 and 256 + 13 rows (tiles of 64),
+/// 9, 64 and 130 tokens (tiles of 64, and just past the GEMV's 8), one and several staging steps
+/// of 4 sub-blocks (cols 64/96 for 32-blocks: a partial step; 256/1536 for k-quants).
+fn gemm(c: &mut Ctx, ty: GgmlType) -> Result<()> {
+    let kernel = ops::gemm_kernel(ty).expect("checked types have GEMM kernels");
+    let (small, large) = if ty.block_size() == 256 {
+        (256, 1536)
+    } else {
+        (64, 96)
+    };
+    let shapes = [
+        (1, small, 9),
+        (37, large, 64),
+        (269, small, 130),
+        (64, large, 130),
+        (269, large, 9),
+    ];
+    for (rows, cols, nt) in shapes {
+        let (wb, wdeq) = weights(ty, rows, cols, 17 + rows as u64)?;
+        let x = floats(nt * cols, 19 + nt as u64);
+        let mut xq = vec![0u8; nt * cols / 32 * ops::Q8_1_BYTES];
+        quant::quantize::quantize_row_q8_1(&x, &mut xq);
+        let xdeq = dequant_q8_1(&xq);
+        let (w, input, out) = (
+            DevBuf::from_bytes(c.l, &wb)?,
+            DevBuf::from_bytes(c.l, &xq)?,
+            DevBuf::new(c.l, nt * rows * 4)?,
+        );
+        let secs =
+            c.timed(|| ops::gemm(&**c.l, ty, w.ptr, input.ptr, out.ptr, (rows, cols, nt)))?;
+        let err = matmul_err(&out.to_f32()?, &wdeq, &xdeq, (rows, cols, nt));
+        c.push(
+            kernel,
+            format!("{rows}x{cols}, {nt} tok (rel. to sum|w·x|)"),
+            err,
+            matmul_tol(ty),
             secs,
         );
     }

@@ -40,6 +40,26 @@ pub fn gemv_kernel(ty: GgmlType) -> Option<(&'static str, bool)> {
     })
 }
 
+/// Weight rows per CTA of the tensor-core GEMM (`GEMM_M` in gemm.cu).
+pub const GEMM_ROWS: usize = 64;
+/// Tokens per CTA of the tensor-core GEMM (`GEMM_N`).
+pub const GEMM_TOKENS: usize = 64;
+/// Most tokens per GEMV pass (`GEMV_TOKENS` in gemv.cu): beyond this, [`gemm`] reads the weights
+/// fewer times.
+pub const GEMV_TOKENS: usize = 8;
+
+/// The tensor-core GEMM of a weight type (q8_1 activations, as its GEMV); None for float weights.
+pub fn gemm_kernel(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::Q4_0 => "gemm_q4_0",
+        GgmlType::Q5_0 => "gemm_q5_0",
+        GgmlType::Q8_0 => "gemm_q8_0",
+        GgmlType::Q4K => "gemm_q4_k",
+        GgmlType::Q6K => "gemm_q6_k",
+        _ => return None,
+    })
+}
+
 fn get_rows_kernel(ty: GgmlType) -> Option<&'static str> {
     Some(match ty {
         GgmlType::Q4_0 => "get_rows_q4_0",
@@ -73,7 +93,11 @@ pub fn gemv(
     let Some((name, _)) = gemv_kernel(ty) else {
         bail!("no CUDA matmul kernel for {}", ty.name());
     };
-    let grid = [rows.div_ceil(4) as u32, ntok.div_ceil(8) as u32, 1];
+    let grid = [
+        rows.div_ceil(4) as u32,
+        ntok.div_ceil(GEMV_TOKENS) as u32,
+        1,
+    ];
     let args = [
         Arg::Ptr(w),
         Arg::Ptr(x),
@@ -81,6 +105,36 @@ pub fn gemv(
         i32a(rows),
         i32a(cols),
         i32a(ntok),
+    ];
+    l.launch(name, grid, [128, 1, 1], &args)
+}
+
+/// out (n × rows) = x · Wᵀ on the integer tensor cores for a `rows × cols` weight of type `ty`
+/// (one of [`gemm_kernel`]) and `n` tokens of q8_1 blocks `xq`; the same sums as [`gemv`], for
+/// prefill-sized `n`.
+pub fn gemm(
+    l: &dyn Launch,
+    ty: GgmlType,
+    w: u64,
+    xq: u64,
+    out: u64,
+    (rows, cols, n): (usize, usize, usize),
+) -> Result<()> {
+    let Some(name) = gemm_kernel(ty) else {
+        bail!("no CUDA GEMM kernel for {}", ty.name());
+    };
+    let grid = [
+        rows.div_ceil(GEMM_ROWS) as u32,
+        n.div_ceil(GEMM_TOKENS) as u32,
+        1,
+    ];
+    let args = [
+        Arg::Ptr(w),
+        Arg::Ptr(xq),
+        Arg::Ptr(out),
+        i32a(rows),
+        i32a(cols),
+        i32a(n),
     ];
     l.launch(name, grid, [128, 1, 1], &args)
 }
