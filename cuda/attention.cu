@@ -15,12 +15,14 @@
 #define ATTN_MAX_HD 256 // head_dim
 #define ATTN_THREADS 128
 
-/// grid (n_q, n_head_kv, n_split), block (128).
+/// grid (n_q, n_head_kv, n_split), block (128). With one split the normalised result goes
+/// straight to `out` (no merge launch).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     attn_split(const float* __restrict__ q, const __half* __restrict__ kc,
                const __half* __restrict__ vc, const int* __restrict__ tables,
                const int* __restrict__ meta, float* __restrict__ part, int n_head, int n_head_kv,
-               int head_dim, int block_size, int kv_dim, float scale, int n_split) {
+               int head_dim, int block_size, int kv_dim, float scale, int n_split,
+               float* __restrict__ out) {
   __shared__ float qs[ATTN_MAX_G * ATTN_MAX_HD];
   __shared__ float sc[ATTN_MAX_G * ATTN_SPLIT];
   __shared__ int slot[ATTN_SPLIT];
@@ -97,7 +99,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     for (int g = 0; g < ATTN_MAX_G; g++) {
       if (g < G) {
         const int h = kvh * G + g;
-        part[(((size_t)qi * n_head + h) * n_split + split) * (hd + 2) + d] = acc[g];
+        if (n_split == 1)  // what attn_merge would make of one split: e^0 = 1 exactly
+          out[((size_t)qi * n_head + h) * hd + d] = n > 0 ? acc[g] / ml[2 * g + 1] : 0.0f;
+        else
+          part[(((size_t)qi * n_head + h) * n_split + split) * (hd + 2) + d] = acc[g];
       }
     }
   }

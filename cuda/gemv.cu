@@ -2,7 +2,8 @@
 // (`quantize_q8_1`), then one warp per output row walks the row's 32-value sub-blocks (lane i takes
 // sub-blocks i, i+32, ...: neighbouring lanes read neighbouring bytes), unpacks each sub-block's
 // quants to signed bytes once and takes `dp4a` dot products with up to 8 activation rows (tokens)
-// at a time, so a prefill of n tokens reads the weights n/8 times. Also the row dequantizers used
+// at a time, so a prefill of n tokens reads the weights n/8 times. A non-null `bias` is added to
+// each output (bias[row]) as the result is stored, saving an add_bias launch. Also the row dequantizers used
 // for embedding lookups. Launch: block (128) = 4 warps = 4 output rows; grid (ceil(rows/4),
 // ceil(tokens/8)). Every weight row starts at a multiple of its block size (2-byte aligned).
 #include "common.cuh"
@@ -108,7 +109,8 @@ struct Q6_K {
 
 template <typename T>
 __device__ __forceinline__ void gemv_q(const uint8_t* __restrict__ w, const uint8_t* __restrict__ xq,
-                                       float* __restrict__ out, int rows, int cols, int ntok) {
+                                       float* __restrict__ out, int rows, int cols, int ntok,
+                                       const float* __restrict__ bias) {
   const int lane = threadIdx.x % 32, row = blockIdx.x * GEMV_ROWS + threadIdx.x / 32;
   if (row >= rows) return;  // a whole warp leaves together; no block-wide barrier follows
   const int t0 = blockIdx.y * GEMV_TOKENS;
@@ -137,14 +139,15 @@ __device__ __forceinline__ void gemv_q(const uint8_t* __restrict__ w, const uint
 #pragma unroll
   for (int t = 0; t < GEMV_TOKENS; t++) {
     float v = warp_sum(acc[t]);
-    if (lane == 0 && t < nt) out[(size_t)(t0 + t) * rows + row] = v;
+    if (lane == 0 && t < nt) out[(size_t)(t0 + t) * rows + row] = bias ? v + bias[row] : v;
   }
 }
 
 /// out[t][r] for weights stored as f16 (`half`) or f32, with f32 activations (no quantization).
 template <typename W>
 __device__ __forceinline__ void gemv_float(const W* __restrict__ w, const float* __restrict__ x,
-                                           float* __restrict__ out, int rows, int cols, int ntok) {
+                                           float* __restrict__ out, int rows, int cols, int ntok,
+                                       const float* __restrict__ bias) {
   const int lane = threadIdx.x % 32, row = blockIdx.x * GEMV_ROWS + threadIdx.x / 32;
   if (row >= rows) return;
   const int t0 = blockIdx.y * GEMV_TOKENS;
@@ -162,14 +165,15 @@ __device__ __forceinline__ void gemv_float(const W* __restrict__ w, const float*
 #pragma unroll
   for (int t = 0; t < GEMV_TOKENS; t++) {
     float v = warp_sum(acc[t]);
-    if (lane == 0 && t < nt) out[(size_t)(t0 + t) * rows + row] = v;
+    if (lane == 0 && t < nt) out[(size_t)(t0 + t) * rows + row] = bias ? v + bias[row] : v;
   }
 }
 
 #define GEMV_Q(T, name)                                                                            \
-  extern "C" __global__ void __launch_bounds__(128) name(const uint8_t* w, const uint8_t* xq,     \
-                                                         float* out, int rows, int cols, int nt) { \
-    gemv_q<T>(w, xq, out, rows, cols, nt);                                                         \
+  extern "C" __global__ void __launch_bounds__(128)                                                \
+      name(const uint8_t* w, const uint8_t* xq, float* out, int rows, int cols, int nt,            \
+           const float* bias) {                                                                    \
+    gemv_q<T>(w, xq, out, rows, cols, nt, bias);                                                   \
   }                                                                                                \
   EMU_EXPORT(name)
 GEMV_Q(Q4_0, gemv_q4_0)
@@ -179,14 +183,16 @@ GEMV_Q(Q4_K, gemv_q4_k)
 GEMV_Q(Q6_K, gemv_q6_k)
 
 extern "C" __global__ void __launch_bounds__(128)
-    gemv_f16(const __half* w, const float* x, float* out, int rows, int cols, int nt) {
-  gemv_float<__half>(w, x, out, rows, cols, nt);
+    gemv_f16(const __half* w, const float* x, float* out, int rows, int cols, int nt,
+             const float* bias) {
+  gemv_float<__half>(w, x, out, rows, cols, nt, bias);
 }
 EMU_EXPORT(gemv_f16)
 
 extern "C" __global__ void __launch_bounds__(128)
-    gemv_f32(const float* w, const float* x, float* out, int rows, int cols, int nt) {
-  gemv_float<float>(w, x, out, rows, cols, nt);
+    gemv_f32(const float* w, const float* x, float* out, int rows, int cols, int nt,
+             const float* bias) {
+  gemv_float<float>(w, x, out, rows, cols, nt, bias);
 }
 EMU_EXPORT(gemv_f32)
 

@@ -1,6 +1,6 @@
 // Element-wise and row-wise kernels: RMS norm, RoPE (normal and NEOX pairings, optional frequency
 // factors), gated activations, residual and bias adds, scaling, row gathers/scatters, head copies,
-// KV-cache writes into paged f16 blocks, and argmax. Each follows the arithmetic of the CPU backend
+// KV-cache writes into paged f16 blocks, argmax and top-k. Each follows the arithmetic of the CPU backend
 // (src/kernels/cpu/ops.rs) where it can (RoPE angles by repeated multiplication with the same
 // host-computed ratio, fused multiply-adds in the same places, GELU rounded through f16).
 #include "common.cuh"
@@ -178,3 +178,64 @@ extern "C" __global__ void __launch_bounds__(256)
   if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
 }
 EMU_EXPORT(argmax)
+
+/// The k largest values of each row with their indices, largest first, ties by the lower index
+/// (the CPU sampler's order); NaN is never chosen, and a row with fewer than k numbers ends with
+/// index -1. Round r takes the largest (value, -index) pair strictly below round r-1's pick, so
+/// scratch stays O(1) for any k; k rounds read the row k times (from L2 for vocabulary rows).
+/// grid (rows), block (256); out_idx and out_val are rows x k.
+extern "C" __global__ void __launch_bounds__(256)
+    top_k(const float* __restrict__ x, int* __restrict__ out_idx, float* __restrict__ out_val,
+          int cols, int k) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  __shared__ float picked_v;
+  __shared__ int picked_i;
+  const float* xr = x + (size_t)blockIdx.x * cols;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float prev_v = -NEG_INF;
+  int prev_i = -1;  // (INFINITY, -1): every number is below it
+  for (int r = 0; r < k; r++) {
+    float best = NEG_INF;
+    int bi = 0x7fffffff;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+      const float v = xr[c];
+      const bool below = v < prev_v || (v == prev_v && c > prev_i);
+      if (below && (v > best || (v == best && c < bi))) {
+        best = v;
+        bi = c;
+      }
+    }
+    for (int round = 0; round < 2; round++) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, best, o);
+        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+        if (ov > best || (ov == best && oi < bi)) {
+          best = ov;
+          bi = oi;
+        }
+      }
+      if (round == 1) break;
+      if (lane == 0) {
+        sv[warp] = best;
+        si[warp] = bi;
+      }
+      __syncthreads();
+      const bool have = lane < (int)(blockDim.x / 32);
+      best = have ? sv[lane] : NEG_INF;
+      bi = have ? si[lane] : 0x7fffffff;
+    }
+    if (threadIdx.x == 0) {
+      const bool found = bi != 0x7fffffff;
+      out_idx[(size_t)blockIdx.x * k + r] = found ? bi : -1;
+      out_val[(size_t)blockIdx.x * k + r] = found ? best : NEG_INF;
+      picked_v = best;
+      picked_i = found ? bi : 0x7fffffff;
+    }
+    __syncthreads();
+    prev_v = picked_v;
+    prev_i = picked_i;
+  }
+}
+EMU_EXPORT(top_k)

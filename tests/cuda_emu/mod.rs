@@ -35,21 +35,29 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-const SOURCES: [&str; 7] = [
-    "cuda/emu/selftest.cu",
-    "cuda/kernels.cu",
-    "cuda/gemv.cu",
-    "cuda/ops.cu",
-    "cuda/attention.cu",
-    "cuda/common.cuh",
-    "cuda/emu/cuda_emu.h",
-];
+/// Every source the emulator library is built from: cuda/*.cu, cuda/*.cuh and cuda/emu/*, in
+/// name order (a new kernel file is picked up without listing it here).
+fn sources() -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for dir in ["cuda", "cuda/emu"] {
+        for e in std::fs::read_dir(root().join(dir))? {
+            let p = e?.path();
+            let ext = p.extension().and_then(|x| x.to_str()).unwrap_or("");
+            if p.is_file() && matches!(ext, "cu" | "cuh" | "h" | "cpp") {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    Ok(files)
+}
 
 /// Compiles the emulator library if this exact source has not been compiled yet.
 fn build() -> Result<PathBuf> {
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    for f in SOURCES.iter().chain(["cuda/emu/emu.cpp"].iter()) {
-        std::fs::read(root().join(f))?.hash(&mut h);
+    for f in sources()? {
+        f.hash(&mut h);
+        std::fs::read(&f)?.hash(&mut h);
     }
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     let out = dir.join(format!("libinfer-cuda-emu-{:016x}.so", h.finish()));

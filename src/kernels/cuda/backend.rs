@@ -160,12 +160,14 @@ impl CudaBackend {
             if n > ops::GEMV_TOKENS && ops::gemm_kernel(w.ty).is_some() {
                 // Prefill: tensor-core tiles read the weights n/64 times instead of n/8.
                 ops::gemm(l, w.ty, w.buf.ptr, q8, out.buf.ptr, shape)?;
+                if let Some(b) = bias {
+                    ops::add_bias(l, out.buf.ptr, b.buf.ptr, n, w.rows)?;
+                }
             } else {
+                // The GEMV adds the bias as it stores (one launch fewer per biased matmul).
                 let input = if quantized { q8 } else { x.buf.ptr };
-                ops::gemv(l, w.ty, w.buf.ptr, input, out.buf.ptr, shape)?;
-            }
-            if let Some(b) = bias {
-                ops::add_bias(l, out.buf.ptr, b.buf.ptr, n, w.rows)?;
+                let b = bias.map(|b| b.buf.ptr);
+                ops::gemv(l, w.ty, w.buf.ptr, input, out.buf.ptr, b, shape)?;
             }
         }
         Ok(())

@@ -127,6 +127,7 @@ pub fn run_all(l: &Arc<dyn Launch>) -> Result<Vec<Check>> {
     glu(&mut c)?;
     elementwise(&mut c)?;
     argmax(&mut c)?;
+    top_k(&mut c)?;
     super::check_attn::attention(l, &mut c.out)?;
     Ok(c.out)
 }
@@ -187,12 +188,25 @@ fn gemv(c: &mut Ctx, ty: GgmlType) -> Result<()> {
         } else {
             c.buf(&x)?
         };
+        // Odd token counts also add a bias (fused into the store), taken off again for the check.
+        let bias = (nt % 2 == 1).then(|| floats(rows, 5 + rows as u64));
+        let bias_d = bias.as_ref().map(|b| c.buf(b)).transpose()?;
+        let bp = bias_d.as_ref().map(|b| b.ptr);
         let secs =
-            c.timed(|| ops::gemv(&**c.l, ty, w.ptr, input.ptr, out.ptr, (rows, cols, nt)))?;
-        let err = matmul_err(&out.to_f32()?, &wdeq, xs, (rows, cols, nt));
+            c.timed(|| ops::gemv(&**c.l, ty, w.ptr, input.ptr, out.ptr, bp, (rows, cols, nt)))?;
+        let mut got = out.to_f32()?;
+        if let Some(b) = &bias {
+            got.iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| *v -= b[i % rows]);
+        }
+        let err = matmul_err(&got, &wdeq, xs, (rows, cols, nt));
         c.push(
             kernel,
-            format!("{rows}x{cols}, {nt} tok (rel. to sum|w·x|)"),
+            format!(
+                "{rows}x{cols}, {nt} tok{} (rel. to sum|w·x|)",
+                if bias.is_some() { " + bias" } else { "" }
+            ),
             err,
             matmul_tol(ty),
             secs,
@@ -575,6 +589,53 @@ fn argmax(c: &mut Ctx) -> Result<()> {
         0.0,
         secs,
     );
+    Ok(())
+}
+
+/// Top-k against a full sort by (value descending, index ascending) without NaN: a vocabulary row
+/// with ties, one with NaN and -inf, and a short row asked for every value (plus the -1 padding
+/// past its numbers).
+fn top_k(c: &mut Ctx) -> Result<()> {
+    for (rows, cols, k) in [(3, 151_936, 40), (2, 100, 100)] {
+        let mut x = floats(rows * cols, 21 + cols as u64);
+        x[7] = 2.0; // row 0: a tie, the lower index first
+        x[cols - 3] = 2.0;
+        x[cols + 1] = f32::NAN; // row 1: NaN is never chosen, -inf comes last
+        x[cols + 2] = f32::NEG_INFINITY;
+        x[cols + 5] = 3.0;
+        let (xd, id, vd) = (
+            c.buf(&x)?,
+            DevBuf::new(c.l, rows * k * 4)?,
+            DevBuf::new(c.l, rows * k * 4)?,
+        );
+        let secs = c.timed(|| ops::top_k(&**c.l, xd.ptr, (id.ptr, vd.ptr), rows, cols, k))?;
+        let idx: Vec<i32> = id
+            .to_bytes()?
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let val = vd.to_f32()?;
+        let mut wrong = 0;
+        for (r, row) in x.chunks_exact(cols).enumerate() {
+            let mut order: Vec<usize> = (0..cols).filter(|&i| !row[i].is_nan()).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            for j in 0..k {
+                let (gi, gv) = (idx[r * k + j], val[r * k + j]);
+                let ok = match order.get(j) {
+                    Some(&i) => gi == i as i32 && gv == row[i],
+                    None => gi == -1,
+                };
+                wrong += !ok as usize;
+            }
+        }
+        c.push(
+            "top_k",
+            format!("{rows}x{cols}, k={k} (entries wrong)"),
+            wrong as f64,
+            0.0,
+            secs,
+        );
+    }
     Ok(())
 }
 

@@ -88,6 +88,7 @@ pub fn gemv(
     w: u64,
     x: u64,
     out: u64,
+    bias: Option<u64>,
     (rows, cols, ntok): (usize, usize, usize),
 ) -> Result<()> {
     let Some((name, _)) = gemv_kernel(ty) else {
@@ -105,6 +106,7 @@ pub fn gemv(
         i32a(rows),
         i32a(cols),
         i32a(ntok),
+        Arg::Ptr(bias.unwrap_or(0)),
     ];
     l.launch(name, grid, [128, 1, 1], &args)
 }
@@ -319,6 +321,30 @@ pub fn argmax(l: &dyn Launch, x: u64, out: u64, rows: usize, cols: usize) -> Res
     l.launch("argmax", [rows as u32, 1, 1], [256, 1, 1], &args)
 }
 
+/// The `k` largest values of each of `rows` rows of `cols` floats at `x`, largest first (ties:
+/// lower index first; NaN never chosen): indices (i32, -1 past the numbers) to `idx` and values
+/// (f32) to `val`, each `rows * k`.
+pub fn top_k(
+    l: &dyn Launch,
+    x: u64,
+    (idx, val): (u64, u64),
+    rows: usize,
+    cols: usize,
+    k: usize,
+) -> Result<()> {
+    if k == 0 || k > cols {
+        bail!("top-k: k = {k} for rows of {cols} values");
+    }
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(idx),
+        Arg::Ptr(val),
+        i32a(cols),
+        i32a(k),
+    ];
+    l.launch("top_k", [rows as u32, 1, 1], [256, 1, 1], &args)
+}
+
 /// The attention problem for [`attention`]: buffers and sizes.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnArgs {
@@ -384,9 +410,13 @@ fn attention_split(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
         i32a(a.kv_dim),
         Arg::F32(a.scale),
         i32a(a.n_split),
+        Arg::Ptr(a.out),
     ];
     let grid = [a.n_q as u32, a.n_head_kv as u32, a.n_split as u32];
     l.launch("attn_split", grid, [128, 1, 1], &args)?;
+    if a.n_split == 1 {
+        return Ok(()); // attn_split wrote the output
+    }
     let args = [
         Arg::Ptr(a.part),
         Arg::Ptr(a.out),
