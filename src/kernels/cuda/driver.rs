@@ -10,11 +10,15 @@ use std::sync::{Arc, Mutex};
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 
+use super::graphs::{Graphs, Queued};
 use super::launch::{Arg, Launch};
 use super::module::{self, Image};
 
 /// A CUDA device with the kernels loaded.
 pub struct CudaDriver {
+    /// Queued launches and the graphs they are replayed as (`None`: launched one by one, with
+    /// INFER_CUDA_GRAPHS=0). First, so that its graphs are destroyed while the context lives.
+    graphs: Option<Mutex<Graphs>>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     module: Module,
@@ -26,7 +30,7 @@ pub struct CudaDriver {
 struct Module(sys::CUmodule);
 /// A kernel handle.
 #[derive(Clone, Copy)]
-struct Func(sys::CUfunction);
+struct Func(sys::CUfunction, &'static str);
 // SAFETY: CUDA driver handles may be used from any thread once the context is current there
 // (every entry point below binds it first); the module outlives every function handle.
 unsafe impl Send for Module {}
@@ -81,6 +85,8 @@ fn open() -> Result<Arc<CudaDriver>> {
         stream,
         module: Module(module),
         funcs: Mutex::new(HashMap::new()),
+        graphs: (std::env::var("INFER_CUDA_GRAPHS").as_deref() != Ok("0"))
+            .then(|| Mutex::new(Graphs::new())),
     }))
 }
 
@@ -110,6 +116,17 @@ impl CudaDriver {
             .map_err(|e| anyhow!("binding the CUDA context: {}", cu(&e)))
     }
 
+    /// Issues the queued launches (before any other stream operation: see `graphs`).
+    fn flush(&self) -> Result<()> {
+        match &self.graphs {
+            Some(g) => g
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .flush(self.stream.cu_stream()),
+            None => Ok(()),
+        }
+    }
+
     fn func(&self, name: &str) -> Result<Func> {
         let mut funcs = self.funcs.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(f) = funcs.get(name) {
@@ -119,8 +136,10 @@ impl CudaDriver {
         // SAFETY: the module is loaded and stays loaded while self lives.
         let f = unsafe { result::module::get_function(self.module.0, cname) }
             .map_err(|e| anyhow!("kernel {name} not found in the embedded module: {}", cu(&e)))?;
-        funcs.insert(name.to_string(), Func(f));
-        Ok(Func(f))
+        // Kernel names are few and live as long as the process (for graph error messages).
+        let f = Func(f, Box::leak(name.to_string().into_boxed_str()));
+        funcs.insert(name.to_string(), f);
+        Ok(f)
     }
 }
 
@@ -131,6 +150,7 @@ impl Launch for CudaDriver {
 
     fn alloc(&self, bytes: usize) -> Result<u64> {
         self.bind()?;
+        self.flush()?;
         let s = self.stream.cu_stream();
         // SAFETY: a fresh allocation on our stream, zeroed on the same stream before any use.
         unsafe {
@@ -143,7 +163,8 @@ impl Launch for CudaDriver {
     }
 
     fn free(&self, ptr: u64) {
-        if self.bind().is_ok() {
+        // A failed flush leaves the queue empty and the stream broken; the next call reports it.
+        if self.bind().is_ok() && self.flush().is_ok() {
             // SAFETY: ptr came from `alloc` and is freed once (DevBuf's drop), stream-ordered
             // after every queued use.
             let _ = unsafe { result::free_async(ptr, self.stream.cu_stream()) };
@@ -152,6 +173,7 @@ impl Launch for CudaDriver {
 
     fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
         self.bind()?;
+        self.flush()?;
         // SAFETY: dst holds at least src.len() bytes (callers size buffers from the data); a
         // copy from pageable memory returns only once src has been staged.
         unsafe { result::memcpy_htod_async(dst, src, self.stream.cu_stream()) }
@@ -160,6 +182,7 @@ impl Launch for CudaDriver {
 
     fn download(&self, src: u64, dst: &mut [u8]) -> Result<()> {
         self.bind()?;
+        self.flush()?;
         // SAFETY: src holds at least dst.len() bytes; the stream is synchronized before dst is
         // read.
         unsafe { result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
@@ -170,6 +193,16 @@ impl Launch for CudaDriver {
     fn launch(&self, name: &str, grid: [u32; 3], block: [u32; 3], args: &[Arg]) -> Result<()> {
         self.bind()?;
         let f = self.func(name)?;
+        if let Some(g) = &self.graphs {
+            g.lock().unwrap_or_else(|p| p.into_inner()).push(Queued {
+                name: f.1,
+                func: f.0,
+                grid,
+                block,
+                args: args.iter().map(|a| a.bits()).collect(),
+            });
+            return Ok(());
+        }
         let mut slots: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let mut params: Vec<*mut c_void> = slots
             .iter_mut()
@@ -191,6 +224,8 @@ impl Launch for CudaDriver {
     }
 
     fn sync(&self) -> Result<()> {
+        self.bind()?;
+        self.flush()?;
         self.stream
             .synchronize()
             .map_err(|e| anyhow!("CUDA stream: {}", cu(&e)))

@@ -14,6 +14,7 @@ pub mod check_attn;
 pub mod check_forward;
 pub mod device;
 pub mod driver;
+mod graphs;
 pub mod launch;
 pub mod module;
 pub mod ops;
