@@ -138,22 +138,10 @@ extern "C" __global__ void kv_write(__half* __restrict__ kc, __half* __restrict_
 }
 EMU_EXPORT(kv_write)
 
-/// out[r] = the index of the largest value of row r (the lowest such index on ties; NaN is never
-/// chosen over a number). grid (rows), block (256).
-extern "C" __global__ void __launch_bounds__(256)
-    argmax(const float* __restrict__ x, int* __restrict__ out, int cols) {
-  __shared__ float sv[32];
-  __shared__ int si[32];
-  const float* xr = x + (size_t)blockIdx.x * cols;
-  float best = NEG_INF;
-  int bi = 0x7fffffff;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float v = xr[c];
-    if (v > best) {
-      best = v;
-      bi = c;
-    }
-  }
+/// The block's largest (value, index) pair, ties by the lower index (NaN never wins), from each
+/// thread's candidate: thread 0 ends with it. Every thread of the block (a multiple of 32, at most
+/// 1024) calls this; sv/si are 32-entry shared scratch, free again once it returns to thread 0.
+__device__ __forceinline__ void block_argmax(float& best, int& bi, float* sv, int* si) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int round = 0; round < 2; round++) {
 #pragma unroll
@@ -175,6 +163,25 @@ extern "C" __global__ void __launch_bounds__(256)
     best = have ? sv[lane] : NEG_INF;
     bi = have ? si[lane] : 0x7fffffff;
   }
+}
+
+/// out[r] = the index of the largest value of row r (the lowest such index on ties; NaN is never
+/// chosen over a number). grid (rows), block (256).
+extern "C" __global__ void __launch_bounds__(256)
+    argmax(const float* __restrict__ x, int* __restrict__ out, int cols) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  const float* xr = x + (size_t)blockIdx.x * cols;
+  float best = NEG_INF;
+  int bi = 0x7fffffff;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = xr[c];
+    if (v > best) {
+      best = v;
+      bi = c;
+    }
+  }
+  block_argmax(best, bi, sv, si);
   if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
 }
 EMU_EXPORT(argmax)
@@ -192,7 +199,6 @@ extern "C" __global__ void __launch_bounds__(256)
   __shared__ float picked_v;
   __shared__ int picked_i;
   const float* xr = x + (size_t)blockIdx.x * cols;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   float prev_v = -NEG_INF;
   int prev_i = -1;  // (INFINITY, -1): every number is below it
   for (int r = 0; r < k; r++) {
@@ -206,26 +212,7 @@ extern "C" __global__ void __launch_bounds__(256)
         bi = c;
       }
     }
-    for (int round = 0; round < 2; round++) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, best, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-        if (ov > best || (ov == best && oi < bi)) {
-          best = ov;
-          bi = oi;
-        }
-      }
-      if (round == 1) break;
-      if (lane == 0) {
-        sv[warp] = best;
-        si[warp] = bi;
-      }
-      __syncthreads();
-      const bool have = lane < (int)(blockDim.x / 32);
-      best = have ? sv[lane] : NEG_INF;
-      bi = have ? si[lane] : 0x7fffffff;
-    }
+    block_argmax(best, bi, sv, si);
     if (threadIdx.x == 0) {
       const bool found = bi != 0x7fffffff;
       out_idx[(size_t)blockIdx.x * k + r] = found ? bi : -1;
