@@ -12,7 +12,7 @@ use infer::quant::{dequantize_row, quantize_row};
 use serde_json::Value;
 
 fn unhex(s: &str) -> Vec<u8> {
-    assert!(s.len() % 2 == 0, "odd-length hex");
+    assert!(s.len().is_multiple_of(2), "odd-length hex");
     (0..s.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex digit"))

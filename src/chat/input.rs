@@ -11,7 +11,7 @@ const FENCE: &str = "\"\"\"";
 
 /// True when `input` is a whole message: every `"""` block is closed and it does not end in `\`.
 pub fn is_complete(input: &str) -> bool {
-    input.matches(FENCE).count() % 2 == 0 && !input.ends_with('\\')
+    input.matches(FENCE).count().is_multiple_of(2) && !input.ends_with('\\')
 }
 
 /// The message text of a complete input: blocks unwrapped, continuations joined.

@@ -153,7 +153,7 @@ pub(crate) fn loader_order(a: &str, b: &str) -> Ordering {
 /// `tensor_type_fallback`: a type that divides `ncols` into whole blocks.
 pub fn fallback(ncols: u64, target: GgmlType) -> GgmlType {
     let bs = target.block_size() as u64;
-    if ncols % bs == 0 {
+    if ncols.is_multiple_of(bs) {
         return target;
     }
     let ret = match target {
@@ -164,7 +164,7 @@ pub fn fallback(ncols: u64, target: GgmlType) -> GgmlType {
         // A 32-element block type has nothing smaller to fall back to: F16 below.
         t => t,
     };
-    if ncols % ret.block_size() as u64 != 0 {
+    if !ncols.is_multiple_of(ret.block_size() as u64) {
         GgmlType::F16
     } else {
         ret
@@ -208,7 +208,7 @@ impl State<'_> {
         let mut new_type = ty;
         if cat == Category::Output || (self.has_tied_embeddings && cat == Category::TokenEmbd) {
             let nx = t.dims[0];
-            if self.shape.arch == "falcon" || nx % new_type.block_size() as u64 != 0 {
+            if self.shape.arch == "falcon" || !nx.is_multiple_of(new_type.block_size() as u64) {
                 new_type = Q8_0;
             } else if new_type != Q8_0 {
                 new_type = Q6K;

@@ -125,7 +125,7 @@ impl Speculator {
     /// the measurements current.
     pub fn next_k(&self) -> usize {
         match self.cost.best_k(self.draft_max) {
-            Some(0) if self.cost_based && self.stats.forwards % EXPLORE != 0 => 0,
+            Some(0) if self.cost_based && !self.stats.forwards.is_multiple_of(EXPLORE) => 0,
             Some(best) if self.cost_based => self.k.min(best.max(1)),
             _ => self.k,
         }

@@ -136,7 +136,7 @@ impl GgmlType {
     /// overflows `usize`.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
         let bs = self.block_size();
-        if n % bs != 0 {
+        if !n.is_multiple_of(bs) {
             return None;
         }
         (n / bs).checked_mul(self.type_size())

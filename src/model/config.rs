@@ -164,7 +164,7 @@ impl ModelConfig {
         if n_head % n_head_kv != 0 {
             bail!("head_count {n_head} is not a multiple of head_count_kv {n_head_kv}");
         }
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             bail!("head dimension {head_dim} is odd; RoPE needs pairs");
         }
         let vocab_size = match g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {

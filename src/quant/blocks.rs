@@ -43,7 +43,7 @@ pub trait Block: Copy + Sized + 'static {
 /// Iterates the blocks of `src`, whose length must be a whole number of blocks (panics otherwise).
 pub fn iter_blocks<B: Block>(src: &[u8]) -> impl Iterator<Item = B> + '_ {
     assert!(
-        src.len() % B::BYTES == 0,
+        src.len().is_multiple_of(B::BYTES),
         "{} bytes is not a whole number of {}-byte blocks",
         src.len(),
         B::BYTES

@@ -41,7 +41,7 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
     };
     let block = ty.block_size();
     ensure!(
-        dst.len() % block == 0,
+        dst.len().is_multiple_of(block),
         "{} row of {} elements is not a whole number of {}-element blocks",
         ty.name(),
         dst.len(),

@@ -28,7 +28,7 @@ fn pairs<'a, W: Block, A: Block>(
 ) -> impl Iterator<Item = (W, A)> + 'a {
     assert_eq!(W::ELEMS, A::ELEMS);
     assert!(
-        n % W::ELEMS == 0,
+        n.is_multiple_of(W::ELEMS),
         "n = {n} is not a whole number of {}-element blocks",
         W::ELEMS
     );

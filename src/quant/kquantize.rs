@@ -17,7 +17,7 @@ pub(super) const GROUP_MAX_EPS: f32 = 1e-15;
 
 pub(super) fn check_lens<B: Block>(src: &[f32], dst: &[u8]) {
     assert!(
-        src.len() % QK_K == 0,
+        src.len().is_multiple_of(QK_K),
         "row of {} values is not a whole number of {QK_K}-value super-blocks",
         src.len()
     );

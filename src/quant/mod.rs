@@ -59,7 +59,7 @@ pub fn activation_row_bytes(act: GgmlType, n: usize) -> Result<usize> {
         other => bail!("{} is not an activation format", other.name()),
     };
     ensure!(
-        n % elems == 0,
+        n.is_multiple_of(elems),
         "{} activations: {n} values is not a whole number of {elems}-value blocks",
         act.name()
     );

@@ -108,7 +108,7 @@ fn q8_block(x: &[f32], variant: Q8Variant) -> (f32, [i8; 32]) {
 
 fn check_lens<B: Block>(src: &[f32], dst: &[u8]) -> usize {
     assert!(
-        src.len() % B::ELEMS == 0,
+        src.len().is_multiple_of(B::ELEMS),
         "row of {} values is not a whole number of {}-value blocks",
         src.len(),
         B::ELEMS

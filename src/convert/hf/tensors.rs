@@ -93,7 +93,7 @@ pub(super) fn is_moe_layer(family: Family, cfg: &Config, hp: &Hparams, layer: u6
                 .and_then(Json::as_array)
                 .is_some_and(|l| l.iter().any(|x| x.as_u64() == Some(layer)));
             let step = cfg.u64(&["decoder_sparse_step"]).unwrap_or(1).max(1);
-            !mlp_only && hp.n_expert > 0 && (layer + 1) % step == 0
+            !mlp_only && hp.n_expert > 0 && (layer + 1).is_multiple_of(step)
         }
         _ => false,
     }

@@ -550,7 +550,7 @@ fn tiled(
 fn accumulate_v(heads: &Heads<'_>, a: usize, b: usize, pr: &[f32], acc: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar
-        && acc.len() % 64 == 0
+        && acc.len().is_multiple_of(64)
     {
         // SAFETY: a non-scalar level means AVX2 and FMA were detected; the callee checks the
         // lengths it relies on.
@@ -576,7 +576,7 @@ unsafe fn accumulate_v_avx2(heads: &Heads<'_>, a: usize, b: usize, pr: &[f32], a
     use std::arch::x86_64::*;
     // Rows a..=b are `heads.kvd` values apart in one buffer (`Heads::v`); checking the first and
     // the last row's bounds covers every read below.
-    assert!(pr.len() == b + 1 - a && acc.len() % 64 == 0 && heads.hd == acc.len());
+    assert!(pr.len() == b + 1 - a && acc.len().is_multiple_of(64) && heads.hd == acc.len());
     let (first, last) = (heads.v(a).as_ptr(), heads.v(b).as_ptr());
     assert_eq!(last as usize - first as usize, (b - a) * heads.kvd * 4);
     let base = first;

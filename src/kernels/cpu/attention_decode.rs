@@ -23,7 +23,7 @@ pub(super) fn one_chunk(
 ) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar
-        && heads.hd % 64 == 0
+        && heads.hd.is_multiple_of(64)
     {
         // SAFETY: a non-scalar level means AVX2, FMA and F16C were detected; the head width is a
         // multiple of 64 (checked), which is all the kernel asks beyond its own bounds checks.
@@ -167,7 +167,7 @@ mod f16c {
         acc: &mut [f32],
     ) -> (f32, f32) {
         let hd = heads.hd;
-        assert!(hd % 64 == 0 && q16.len() == hd && acc.len() == hd);
+        assert!(hd.is_multiple_of(64) && q16.len() == hd && acc.len() == hd);
         let mut m = f32::NEG_INFINITY;
         let mut sum = 0f32;
         steps.clear();

@@ -17,7 +17,8 @@ pub(super) const ROWS: usize = 4;
 
 /// Whether [`tiled_rows`] takes a head of `hd` values on this CPU.
 pub(super) fn applies(hd: usize) -> bool {
-    hd % 64 == 0 && crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar
+    hd.is_multiple_of(64)
+        && crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar
 }
 
 /// Rows `qs` (1..=ROWS) with visible ranges `ranges[r] = (lo, pos)` over the widened keys of one

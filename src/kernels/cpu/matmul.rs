@@ -117,8 +117,8 @@ fn matmul_quantized(
     }
 }
 
-/// Output rows per unit of decode work: one x8-packed Q4_K group.
-const DECODE_UNIT: usize = 8;
+/// Output rows per unit of decode work: two x8-packed Q4_K groups (one unit of the wide layout).
+const DECODE_UNIT: usize = 16;
 
 /// One activation row (`xq`) against every job's weight rows in one parallel region, units of
 /// [`DECODE_UNIT`] rows handed out across the jobs; each row computed by the kernel a one-row
@@ -159,22 +159,9 @@ fn decode_many(pool: &ThreadPool, jobs: &mut [(&CpuWeight, &mut CpuAct)], xq: &[
 fn decode_rows_of(w: &CpuWeight, packed: Option<&[u8]>, xq: &[u8], r0: usize, out: &mut [f32]) {
     let r1 = r0 + out.len();
     if let Some(p) = packed {
-        let nb = w.cols / 256;
-        let gb = nb * crate::kernels::cpu::q4k_x8::BLOCK_BYTES;
-        let mut res = [[0f32; DECODE_UNIT]; 4];
-        for g in r0 / DECODE_UNIT..r1.div_ceil(DECODE_UNIT) {
-            crate::kernels::cpu::q4k_x8::dot_group(
-                nb,
-                &p[g * gb..(g + 1) * gb],
-                xq,
-                xq.len(),
-                1,
-                false,
-                &mut res,
-            );
-            let at = g * DECODE_UNIT - r0;
-            out[at..at + DECODE_UNIT].copy_from_slice(&res[0]);
-        }
+        use crate::kernels::cpu::q4k_x8::GROUP;
+        let groups = (r0 / GROUP, r1.div_ceil(GROUP));
+        crate::kernels::cpu::q4k_x8::gemv_groups(p, w.rows, w.cols, xq, groups, out);
         return;
     }
     let (wb, rb) = (w.bytes(), w.row_bytes);
@@ -273,7 +260,7 @@ fn q6k_tiled(n: usize, w: &[u8], acts: &[u8], stride: usize, m: usize, out: &mut
     use crate::quant::blocks::{Block, BlockQ6K, BlockQ8K};
     let nb = n / 256;
     assert!(
-        n % 256 == 0 && w.len() == nb * BlockQ6K::BYTES,
+        n.is_multiple_of(256) && w.len() == nb * BlockQ6K::BYTES,
         "weight row length"
     );
     assert!(m == 0 || acts.len() >= (m - 1) * stride + nb * BlockQ8K::BYTES);

@@ -134,7 +134,7 @@ impl CudaBackend {
             .iter()
             .any(|(w, _, _)| ops::gemv_kernel(w.ty).is_some_and(|(_, q)| q));
         let q8 = if need_q8 {
-            if x.cols % 32 != 0 {
+            if !x.cols.is_multiple_of(32) {
                 bail!("matmul input width {} is not a multiple of 32", x.cols);
             }
             let q8 = self.scratch(Q8, n * x.cols / 32 * ops::Q8_1_BYTES)?;

@@ -380,7 +380,7 @@ pub fn attention(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
 }
 
 fn check_attn_shape(a: &AttnArgs) -> Result<()> {
-    if a.n_head % a.n_head_kv != 0
+    if !a.n_head.is_multiple_of(a.n_head_kv)
         || a.n_head / a.n_head_kv > ATTN_MAX_G
         || a.head_dim > ATTN_MAX_HD
     {

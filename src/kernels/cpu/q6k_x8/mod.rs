@@ -33,7 +33,7 @@ const A_BYTES: usize = 292;
 /// Whether a `rows × cols` Q6_K matrix with `n` activation rows takes this path (llama.cpp's
 /// tiled matmul runs for `n >= 8`).
 pub fn applies(rows: usize, cols: usize, n: usize) -> bool {
-    n >= 8 && rows >= GROUP && cols % 256 == 0
+    n >= 8 && rows >= GROUP && cols.is_multiple_of(256)
 }
 
 /// The 256 values (0..64) of one Q6_K block.
@@ -87,7 +87,7 @@ pub fn matmul(
     let nb = cols / 256;
     let (row_bytes, a_row) = (nb * W_BYTES, nb * A_BYTES);
     assert!(
-        cols % 256 == 0 && w.len() == rows * row_bytes,
+        cols.is_multiple_of(256) && w.len() == rows * row_bytes,
         "Q6_K matrix bytes"
     );
     assert_eq!(xq.len(), n * a_row, "activation bytes");

@@ -40,7 +40,7 @@ const MIN_ROWS: usize = 16;
 pub fn applies(ty: GgmlType, cols: usize, n: usize) -> bool {
     matches!(ty, GgmlType::Q8_0 | GgmlType::Q5_0)
         && n >= MIN_ROWS
-        && cols % 32 == 0
+        && cols.is_multiple_of(32)
         && crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar
 }
 

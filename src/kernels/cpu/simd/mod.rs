@@ -25,11 +25,12 @@
 //! - Nothing here runs an instruction the CPU lacks: a level is used only after run-time detection,
 //!   and `INFER_SIMD` can lower the level but never raise it above what was detected.
 //!
-//! Levels: `avx2` (AVX2 + FMA + F16C, `vpmaddubsw`) on x86-64, else `scalar`. `INFER_SIMD=scalar`
-//! forces the reference; `avx2`, `avx512` and `avx512vnni` ask for at most that level. There are no
-//! AVX-512 kernels yet, so the AVX-512 names currently select AVX2 (they were written and measured
-//! on a machine whose hypervisor hides AVX-512, so no AVX-512 code could be tested); `level()`
-//! always reports what is really used. Throughput is measured by `benches/kernels.rs`.
+//! Levels: `avx512` (AVX-512 F/BW/VL + VNNI on top of AVX2 + FMA + F16C: `vpdpbusd` on 16-lane
+//! vectors), `avx2` (AVX2 + FMA + F16C, `vpmaddubsw`) on x86-64, else `scalar`. A level includes
+//! everything below it: where the AVX-512 level has no kernel of its own for a shape, the AVX2
+//! one runs (the two are bit-identical wherever both exist, which the tests check).
+//! `INFER_SIMD=scalar` forces the reference; `avx2` and `avx512` ask for at most that level;
+//! `level()` always reports what is really used. Throughput is measured by `benches/kernels.rs`.
 
 use std::sync::OnceLock;
 
@@ -37,6 +38,8 @@ use crate::format::GgmlType;
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
 pub mod q4k_gemm;
 #[cfg(test)]
 mod tests;
@@ -63,8 +66,10 @@ pub fn dot_rows(ty: GgmlType) -> Option<DotRowsFn> {
         Level::Scalar => None,
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 => avx2::dot_rows(ty),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => avx512::dot_rows(ty).or_else(|| avx2::dot_rows(ty)),
         #[cfg(not(target_arch = "x86_64"))]
-        Level::Avx2 => None,
+        _ => None,
     }
 }
 
@@ -84,17 +89,20 @@ pub enum Level {
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
+    /// Avx2 plus AVX-512 F, BW, VL and VNNI.
+    Avx512,
 }
 
 impl Level {
     /// Every level, lowest first.
-    pub const ALL: [Level; 2] = [Level::Scalar, Level::Avx2];
+    pub const ALL: [Level; 3] = [Level::Scalar, Level::Avx2, Level::Avx512];
 
     /// The name `level()` reports and `INFER_SIMD` accepts.
     pub fn name(self) -> &'static str {
         match self {
             Level::Scalar => "scalar",
             Level::Avx2 => "avx2",
+            Level::Avx512 => "avx512",
         }
     }
 
@@ -104,8 +112,10 @@ impl Level {
             Level::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             Level::Avx2 => avx2::detected(),
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx512 => avx512::detected(),
             #[cfg(not(target_arch = "x86_64"))]
-            Level::Avx2 => false,
+            _ => false,
         }
     }
 }
@@ -129,8 +139,7 @@ pub fn select_level(requested: Option<&str>, detected: Level) -> (Level, Option<
             "" | "auto" => return (detected, None),
             "scalar" | "none" | "off" => Level::Scalar,
             "avx2" => Level::Avx2,
-            // No AVX-512 kernels exist yet: asking for AVX-512 means "the best up to it".
-            "avx512" | "avx512vnni" | "avx512f" => Level::Avx2,
+            "avx512" | "avx512vnni" => Level::Avx512,
             other => {
                 return (
                     detected,
@@ -158,7 +167,7 @@ pub fn current() -> Level {
     })
 }
 
-/// The name of the level in use: `"avx2"` or `"scalar"` (later `"avx512vnni"`).
+/// The name of the level in use: `"avx512"`, `"avx2"` or `"scalar"`.
 pub fn level() -> &'static str {
     current().name()
 }
@@ -179,8 +188,10 @@ pub fn kernels_at(level: Level, ty: GgmlType) -> Option<Kernels> {
         Level::Scalar => None,
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 => avx2::kernels(ty),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => avx512::kernels(ty).or_else(|| avx2::kernels(ty)),
         #[cfg(not(target_arch = "x86_64"))]
-        Level::Avx2 => None,
+        _ => None,
     }
 }
 
@@ -230,9 +241,9 @@ pub fn q4k_gemm_kernels_at(level: Level) -> Option<Kernels> {
     match level {
         Level::Scalar => None,
         #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => avx2::q4k_gemm(),
+        Level::Avx2 | Level::Avx512 => avx2::q4k_gemm(),
         #[cfg(not(target_arch = "x86_64"))]
-        Level::Avx2 => None,
+        _ => None,
     }
 }
 

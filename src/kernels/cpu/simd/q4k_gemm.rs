@@ -16,7 +16,7 @@ use crate::quant::blocks::{get_scale_min_k4, iter_blocks, BlockQ4K, BlockQ8K, QK
 /// `accm = fma(imin, dmin_w·d_a, accm)`; the result is `acc - accm`. Panics on wrong lengths.
 pub fn dot(n: usize, w: &[u8], a: &[u8]) -> f32 {
     assert!(
-        n % QK_K == 0,
+        n.is_multiple_of(QK_K),
         "n = {n} is not a whole number of 256-element blocks"
     );
     let nb = n / QK_K;

@@ -79,7 +79,7 @@ pub(super) fn q4k_gemm() -> Option<Kernels> {
 /// blocks and `w_len` is exactly that many `w_bytes`-byte blocks.
 fn blocks(n: usize, elems: usize, w_len: usize, w_bytes: usize) -> usize {
     assert!(
-        n % elems == 0,
+        n.is_multiple_of(elems),
         "n = {n} is not a whole number of {elems}-element blocks"
     );
     let nb = n / elems;

@@ -1,0 +1,166 @@
+//! AVX-512 VNNI kernel over one x16 unit of packed Q4_K (see the parent module for the layout and
+//! the arithmetic).
+//!
+//! One 64-byte load holds the same four columns of sixteen weight rows; its low and high nibbles
+//! meet four activation bytes broadcast to all lanes through `vpdpbusd`, which adds the four
+//! products straight into the i32 lane of each weight row, so after the eight steps of a
+//! sub-block every lane holds that row's exact sub-block sum. Multiplying by the rows' 6-bit
+//! scales (`vpmulld`) gives the same exact integers the AVX2 kernel builds with
+//! `vpmaddubsw`/`vpmaddwd`, and the float steps are the same lane-wise operations, so every output
+//! is bit-identical to the AVX2 kernel and the scalar twin.
+
+use std::arch::x86_64::*;
+
+use crate::kernels::cpu::simd::avx512::bcast32x16;
+
+use super::{A_BYTES, BLOCK_BYTES, GROUP};
+
+/// Weight rows per unit.
+const R: usize = 2 * GROUP;
+
+/// See [`super::dot_pair`].
+///
+/// # Safety
+/// The AVX-512 level is available (AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI); `w` points at `nb`
+/// x16 blocks; `a + r * stride` for `r < m` at `nb` Q8_K blocks; `1 <= m <= 4`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn dot_pair(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    stride: usize,
+    m: usize,
+    pair: bool,
+    out: &mut [[f32; R]; 4],
+) {
+    match (m, pair) {
+        (4, true) => rows_m::<4, true>(nb, w, a, stride, out),
+        (3, true) => rows_m::<3, true>(nb, w, a, stride, out),
+        (2, true) => rows_m::<2, true>(nb, w, a, stride, out),
+        (1, true) => rows_m::<1, true>(nb, w, a, stride, out),
+        (4, false) => rows_m::<4, false>(nb, w, a, stride, out),
+        (3, false) => rows_m::<3, false>(nb, w, a, stride, out),
+        (2, false) => rows_m::<2, false>(nb, w, a, stride, out),
+        _ => rows_m::<1, false>(nb, w, a, stride, out),
+    }
+}
+
+/// 128-bit lane `j` (0..4) of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn lane(v: __m512i, j: usize) -> __m128i {
+    match j {
+        0 => _mm512_extracti32x4_epi32::<0>(v),
+        1 => _mm512_extracti32x4_epi32::<1>(v),
+        2 => _mm512_extracti32x4_epi32::<2>(v),
+        _ => _mm512_extracti32x4_epi32::<3>(v),
+    }
+}
+
+/// [`dot_pair`] for `M` rows, flavour `PAIR`.
+///
+/// # Safety
+/// As [`dot_pair`] with `m = M`.
+#[allow(clippy::needless_range_loop)] // rows and pairs index several arrays at once
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn rows_m<const M: usize, const PAIR: bool>(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    stride: usize,
+    out: &mut [[f32; R]; 4],
+) {
+    let m4 = _mm512_set1_epi8(0xF);
+    let c63 = _mm512_set1_epi8(63);
+    let cc0 = _mm512_set1_epi8(0xC0u8 as i8);
+    let mut acc = [_mm512_setzero_ps(); M];
+    let mut accm = [_mm512_setzero_ps(); M];
+    for b in 0..nb {
+        let x = w.add(2 * b * BLOCK_BYTES);
+        // Scales and mins of the 16 rows (get_scale_min_k4 on the transposed bytes, all rows at
+        // once): byte 16j + c of `sc03` is sub-block j's scale of row c, `sc47` the same for
+        // sub-blocks 4..8, `mn03`/`mn47` for the mins.
+        let ld = |o: usize| _mm512_loadu_si512(x.add(o).cast());
+        let (q0, q1, q2) = (ld(4 * R), ld(8 * R), ld(12 * R));
+        let sc03 = _mm512_and_si512(q0, c63);
+        let mn03 = _mm512_and_si512(q1, c63);
+        let sc47 = _mm512_or_si512(
+            _mm512_and_si512(q2, m4),
+            _mm512_srli_epi16::<2>(_mm512_and_si512(q0, cc0)),
+        );
+        let mn47 = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16::<4>(q2), m4),
+            _mm512_srli_epi16::<2>(_mm512_and_si512(q1, cc0)),
+        );
+        // Sub-block k's scale of each row as an i32 lane.
+        let scale = |k: usize| _mm512_cvtepu8_epi32(lane(if k < 4 { sc03 } else { sc47 }, k % 4));
+        // Pair p's mins as words (m[2p], m[2p + 1]) of each row.
+        let mins = |p: usize| {
+            let src = if p < 2 { mn03 } else { mn47 };
+            let (ma, mb) = (lane(src, 2 * (p % 2)), lane(src, 2 * (p % 2) + 1));
+            _mm512_cvtepu8_epi16(_mm256_set_m128i(
+                _mm_unpackhi_epi8(ma, mb),
+                _mm_unpacklo_epi8(ma, mb),
+            ))
+        };
+
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(x.cast()));
+        let dmw = _mm512_cvtph_ps(_mm256_loadu_si256(x.add(2 * R).cast()));
+        let mut dd = [_mm512_setzero_ps(); M];
+        let mut dm = [_mm512_setzero_ps(); M];
+        // Per row: the 8 sub-block activation sums as i16, dword p = (S[2p], S[2p + 1]).
+        let mut bsp = [[0i32; 4]; M];
+        for r in 0..M {
+            let y = a.add(r * stride + b * A_BYTES);
+            let ad = _mm512_set1_ps(y.cast::<f32>().read_unaligned());
+            dd[r] = _mm512_mul_ps(dw, ad);
+            dm[r] = _mm512_mul_ps(dmw, ad);
+            let s = _mm_hadd_epi16(
+                _mm_loadu_si128(y.add(260).cast()),
+                _mm_loadu_si128(y.add(276).cast()),
+            );
+            _mm_storeu_si128(bsp[r].as_mut_ptr().cast(), s);
+        }
+
+        let mut isum_t = [_mm512_setzero_si512(); M];
+        let mut imin_t = [_mm512_setzero_si512(); M];
+        for p in 0..4 {
+            let mut alo = [_mm512_setzero_si512(); M];
+            let mut ahi = [_mm512_setzero_si512(); M];
+            for s in 0..8 {
+                let bits = ld(16 * R + 32 * R * p + 4 * R * s);
+                let lo = _mm512_and_si512(bits, m4);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bits), m4);
+                for r in 0..M {
+                    let y = a.add(r * stride + b * A_BYTES + 4 + 64 * p + 4 * s);
+                    alo[r] = _mm512_dpbusd_epi32(alo[r], lo, bcast32x16(y));
+                    ahi[r] = _mm512_dpbusd_epi32(ahi[r], hi, bcast32x16(y.add(32)));
+                }
+            }
+            let (s0, s1, mv) = (scale(2 * p), scale(2 * p + 1), mins(p));
+            for r in 0..M {
+                let isum = _mm512_add_epi32(
+                    _mm512_mullo_epi32(alo[r], s0),
+                    _mm512_mullo_epi32(ahi[r], s1),
+                );
+                let imin = _mm512_madd_epi16(mv, _mm512_set1_epi32(bsp[r][p]));
+                if PAIR {
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd[r], acc[r]);
+                    accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), dm[r], accm[r]);
+                } else {
+                    isum_t[r] = _mm512_add_epi32(isum_t[r], isum);
+                    imin_t[r] = _mm512_add_epi32(imin_t[r], imin);
+                }
+            }
+        }
+        if !PAIR {
+            for r in 0..M {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum_t[r]), dd[r], acc[r]);
+                accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin_t[r]), dm[r], accm[r]);
+            }
+        }
+    }
+    for r in 0..M {
+        _mm512_storeu_ps(out[r].as_mut_ptr(), _mm512_sub_ps(acc[r], accm[r]));
+    }
+}

@@ -1,0 +1,48 @@
+//! The AVX-512 level (AVX-512 F/BW/VL + VNNI, on top of the AVX2 level's AVX2 + FMA + F16C):
+//! kernels that do on 16-lane vectors, with `vpdpbusd`, exactly what their AVX2 twins do on 8.
+//!
+//! Every kernel is compiled with `avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni`.
+//!
+//! Invariants: every kernel here is reachable only after [`detected`] (through `simd::kernels`,
+//! `simd::dot_rows` or a caller that checked `simd::current() >= Level::Avx512`), so the
+//! `#[target_feature]` code never runs where it cannot. Each keeps the float operations of the
+//! AVX2 kernel it stands beside, lane for lane, so results are bit-identical whichever level runs
+//! (the tests hold every kernel here to its scalar twin). Integer sums are exact: `vpdpbusd`
+//! multiplies unsigned by signed bytes and adds four products into an i32 lane, which cannot
+//! overflow for ggml's value ranges.
+
+use std::arch::x86_64::*;
+
+use super::Kernels;
+use crate::format::GgmlType;
+
+/// Whether this CPU has everything the AVX-512 kernels use (and the AVX2 level's features, which
+/// they fall back on).
+pub(crate) fn detected() -> bool {
+    super::avx2::detected()
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+/// The AVX-512 kernels for `ty`, or `None` where this level has none of its own (the caller then
+/// takes the AVX2 ones).
+pub(super) fn kernels(ty: GgmlType) -> Option<Kernels> {
+    let _ = ty;
+    None
+}
+
+/// The AVX-512 decode kernel over many weight rows for `ty`, or `None` where this level has none
+/// of its own.
+pub(super) fn dot_rows(ty: GgmlType) -> Option<super::DotRowsFn> {
+    let _ = ty;
+    None
+}
+
+/// The 4 bytes at `p` (unaligned) broadcast to all sixteen dwords.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn bcast32x16(p: *const u8) -> __m512i {
+    _mm512_set1_epi32(p.cast::<i32>().read_unaligned())
+}
