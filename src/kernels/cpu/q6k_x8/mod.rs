@@ -10,15 +10,24 @@
 //! Panel block layout (eight rows × 256 columns, [`PANEL_BLOCK`] bytes): `@0` the rows' `d` as
 //! f32; `@32` the 16 sub-block scales (i8) transposed, sub-block `sb` of row `c` at `32 + 8sb + c`;
 //! `@160` the values `q` (0..64, unsigned): value `e` of row `c` at `160 + 32(e / 4) + 4c + e % 4`.
+//!
+//! At the AVX-512 level pairs of groups are packed side by side into **wide** panels of sixteen
+//! rows ([`WIDE_BLOCK`] bytes a block: `@0` the rows' `d` as f32; `@64` the scales, sub-block `sb`
+//! of row `c` at `64 + 16sb + c`; `@320` the values, value `e` of row `c` at
+//! `320 + 64(e / 4) + 4c + e % 4`), multiplied by the `avx512` kernel; a last odd group takes the
+//! eight-row path.
+//!
 //! Invariant: panels are built only for `rows % 8 == 0`, `cols % 256 == 0`; rows that are not part
-//! of a whole group stay on the unpacked path. [`dot_group_scalar`] is the scalar twin the AVX2
-//! kernel is held to, bit for bit.
+//! of a whole group stay on the unpacked path. [`dot_group_scalar`] is the scalar twin both
+//! kernels are held to, bit for bit.
 
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::SharedMut;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 #[cfg(test)]
 mod tests;
 
@@ -26,6 +35,10 @@ mod tests;
 pub const GROUP: usize = 8;
 /// Bytes of one panel block.
 pub const PANEL_BLOCK: usize = 32 + 128 + 2048;
+/// Weight rows per wide panel (AVX-512).
+pub const WIDE: usize = 2 * GROUP;
+/// Bytes of one wide panel block.
+pub const WIDE_BLOCK: usize = 64 + 256 + 4096;
 /// Bytes of one Q6_K file block and one Q8_K activation block.
 const W_BYTES: usize = 210;
 const A_BYTES: usize = 292;
@@ -72,6 +85,34 @@ pub fn pack_group(src: &[u8], nb: usize, panel: &mut [u8]) {
     }
 }
 
+/// Packs sixteen rows (`src`: 16 rows of `nb` file blocks) into a wide `panel` (`nb` blocks).
+pub fn pack_wide(src: &[u8], nb: usize, panel: &mut [u8]) {
+    let row_bytes = nb * W_BYTES;
+    let mut q = [0u8; 256];
+    for b in 0..nb {
+        let o = &mut panel[b * WIDE_BLOCK..(b + 1) * WIDE_BLOCK];
+        for c in 0..WIDE {
+            let x = &src[c * row_bytes + b * W_BYTES..c * row_bytes + (b + 1) * W_BYTES];
+            let d = half::f16::from_le_bytes([x[208], x[209]]).to_f32();
+            o[4 * c..4 * c + 4].copy_from_slice(&d.to_le_bytes());
+            for sb in 0..16 {
+                o[64 + 16 * sb + c] = x[192 + sb];
+            }
+            unpack_block(x, &mut q);
+            for (e4, v) in q.chunks_exact(4).enumerate() {
+                let at = 320 + 64 * e4 + 4 * c;
+                o[at..at + 4].copy_from_slice(v);
+            }
+        }
+    }
+}
+
+/// Whether this process multiplies wide panels (the AVX-512 level).
+fn wide() -> bool {
+    use crate::kernels::cpu::simd::{current, Level};
+    cfg!(target_arch = "x86_64") && current() >= Level::Avx512
+}
+
 /// `out (n × rows)` columns `0..rows / 8 * 8` of `x · Wᵀ` for a Q6_K matrix `w` (file layout,
 /// `rows × cols`) and `n` Q8_K activation rows `xq`; returns how many rows it computed (the rest,
 /// fewer than eight, are the caller's).
@@ -94,20 +135,53 @@ pub fn matmul(
     assert_eq!(out.len(), n * rows, "output size");
     let groups = rows / GROUP;
     let dst = SharedMut(out.as_mut_ptr());
-    pool.for_range(groups, 1, |range| {
-        let mut panel = vec![0u8; nb * PANEL_BLOCK];
-        for g in range {
+    // Units of `step` groups: a wide panel (two groups) at the AVX-512 level, else one group.
+    let step = if wide() { 2 } else { 1 };
+    pool.for_range(groups.div_ceil(step), 1, |range| {
+        let mut panel = vec![0u8; nb * PANEL_BLOCK.max(WIDE_BLOCK)];
+        for u in range {
+            let g = u * step;
+            if step == 2 && g + 1 < groups {
+                pack_wide(
+                    &w[g * GROUP * row_bytes..(g + 2) * GROUP * row_bytes],
+                    nb,
+                    &mut panel,
+                );
+                for t0 in (0..n).step_by(4) {
+                    let m = (n - t0).min(4);
+                    let mut res = [[0f32; WIDE]; 4];
+                    dot_wide(
+                        nb,
+                        &panel,
+                        &xq[t0 * a_row..(t0 + m) * a_row],
+                        a_row,
+                        m,
+                        &mut res,
+                    );
+                    for (j, r) in res[..m].iter().enumerate() {
+                        // SAFETY: t0 + j < n and g * 8 + 16 <= rows, so the 16 elements at
+                        // (t0 + j) * rows + g * 8 are inside `out`; groups g, g + 1 belong to
+                        // this chunk only.
+                        unsafe {
+                            let o = dst.ptr().add((t0 + j) * rows + g * GROUP);
+                            std::ptr::copy_nonoverlapping(r.as_ptr(), o, WIDE);
+                        }
+                    }
+                }
+                continue;
+            }
+            let panel = &mut panel[..nb * PANEL_BLOCK];
             pack_group(
                 &w[g * GROUP * row_bytes..(g + 1) * GROUP * row_bytes],
                 nb,
-                &mut panel,
+                panel,
             );
             for t0 in (0..n).step_by(4) {
                 let m = (n - t0).min(4);
                 let mut res = [[0f32; GROUP]; 4];
                 dot_group(
                     nb,
-                    &panel,
+                    panel,
                     &xq[t0 * a_row..(t0 + m) * a_row],
                     a_row,
                     m,
@@ -149,6 +223,29 @@ pub fn dot_group(
         return;
     }
     dot_group_scalar(nb, panel, a, stride, m, out);
+}
+
+/// One wide panel (`nb` blocks, sixteen rows) times `m` (1..=4) Q8_K activation rows `stride`
+/// bytes apart; `out[r][c]` = activation row `r` · weight row `c`. Only at the AVX-512 level.
+pub fn dot_wide(
+    nb: usize,
+    panel: &[u8],
+    a: &[u8],
+    stride: usize,
+    m: usize,
+    out: &mut [[f32; WIDE]; 4],
+) {
+    assert!((1..=4).contains(&m), "1..=4 activation rows");
+    assert_eq!(panel.len(), nb * WIDE_BLOCK, "wide panel bytes");
+    assert!(stride >= nb * A_BYTES && a.len() >= (m - 1) * stride + nb * A_BYTES);
+    assert!(wide(), "wide Q6_K panels need the AVX-512 level");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `wide()` holds only at the AVX-512 level, selected after its features were
+    // detected; `panel` holds `nb` wide blocks and each of the `m` activation rows `nb` Q8_K
+    // blocks (asserted above), which is all the kernel reads; it writes `out[..m]` only.
+    unsafe {
+        avx512::dot_wide(nb, panel.as_ptr(), a.as_ptr(), stride, m, out)
+    };
 }
 
 /// The scalar twin of [`dot_group`], one output at a time.

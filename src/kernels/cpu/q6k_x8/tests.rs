@@ -8,7 +8,7 @@ use crate::kernels::cpu::test_floats as data;
 
 #[test]
 fn panel_kernel_matches_twin_and_tiled_matmul() {
-    let (rows, cols, n) = (20, 512, 11);
+    let (rows, cols, n) = (28, 512, 11);
     let nb = cols / 256;
     let mut w = Vec::new();
     let mut tmp = Vec::new();
@@ -24,9 +24,9 @@ fn panel_kernel_matches_twin_and_tiled_matmul() {
     let a_row = nb * A_BYTES;
     let pool = ThreadPool::new(2);
     let mut out = vec![f32::NAN; n * rows];
-    assert_eq!(matmul(&pool, &w, rows, cols, &a, n, &mut out), 16);
+    assert_eq!(matmul(&pool, &w, rows, cols, &a, n, &mut out), 24);
     let mut panel = vec![0u8; nb * PANEL_BLOCK];
-    for g in 0..2 {
+    for g in 0..3 {
         pack_group(&w[g * 8 * nb * 210..(g + 1) * 8 * nb * 210], nb, &mut panel);
         for t in 0..n {
             let mut want = [[0f32; GROUP]; 4];

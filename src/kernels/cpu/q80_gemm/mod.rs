@@ -11,8 +11,11 @@
 //!
 //! Panel layout: for each block `b` and row `r` of the group, [`SLOT`] bytes at
 //! `(b * 4 + r) * SLOT`: `d` (f32) at 0, the 32 signed weights at 16, their absolute values at 48.
+//! At the AVX-512 level the panel has its own layout and the tile is four weight rows × six
+//! activation rows with `vpdpbusd` (see `avx512`), with the same integers and float steps.
+//!
 //! Invariants: only rows in whole groups of four go through here (the caller handles the rest);
-//! results are bit-identical to the type's `simd` dot kernel, which the tests check.
+//! results are bit-identical to the type's `simd` dot kernel at every level, which the tests check.
 
 use crate::format::GgmlType;
 use crate::kernels::cpu::pool::ThreadPool;
@@ -20,6 +23,8 @@ use crate::kernels::cpu::SharedMut;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 #[cfg(test)]
 mod tests;
 
@@ -42,6 +47,15 @@ pub fn applies(ty: GgmlType, cols: usize, n: usize) -> bool {
         && n >= MIN_ROWS
         && cols.is_multiple_of(32)
         && crate::kernels::cpu::simd::current() != crate::kernels::cpu::simd::Level::Scalar
+}
+
+/// Whether [`matmul`] takes the AVX-512 tile: at that level, unless a test asked for the AVX2 one.
+fn use_avx512() -> bool {
+    #[cfg(test)]
+    if tests::FORCE_AVX2.with(|f| f.get()) {
+        return false;
+    }
+    crate::kernels::cpu::simd::current() >= crate::kernels::cpu::simd::Level::Avx512
 }
 
 /// Unpacks `GROUP` rows (`src`, `row_bytes` each, `nb` blocks of type `ty`) into `panel`.
@@ -129,6 +143,11 @@ pub fn matmul(
         })
         .collect();
     let groups = rows / GROUP;
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        matmul_avx512(pool, ty, w, rows, xq, n, nb, &da, out);
+        return groups * GROUP;
+    }
     let dst = SharedMut(out.as_mut_ptr());
     pool.for_range(groups, 1, |range| {
         let mut panel = vec![0u8; nb * GROUP * SLOT];
@@ -166,6 +185,107 @@ pub fn matmul(
         }
     });
     groups * GROUP
+}
+
+/// [`matmul`] at the AVX-512 level: activations offset to unsigned bytes once, then per group of
+/// four weight rows one `avx512` panel and tiles of up to six activation rows.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn matmul_avx512(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    xq: &[u8],
+    n: usize,
+    nb: usize,
+    da: &[f32],
+    out: &mut [f32],
+) {
+    let row_bytes = w.len() / rows;
+    YU.with_borrow_mut(|yu| {
+        // yu[(t * nb + b) * 32 ..]: block b of activation row t, each byte + 128.
+        yu.clear();
+        yu.extend(
+            xq.chunks_exact(A_BYTES)
+                .flat_map(|blk| blk[2..].iter().map(|&v| v ^ 0x80)),
+        );
+        matmul_avx512_panels(pool, ty, w, rows, row_bytes, yu, n, nb, da, out);
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// The offset activation bytes of the current AVX-512 matmul, reused across calls (a fresh
+    /// buffer each prefill matmul costs page faults).
+    static YU: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The parallel part of [`matmul_avx512`], over groups of four weight rows.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn matmul_avx512_panels(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    row_bytes: usize,
+    yu: &[u8],
+    n: usize,
+    nb: usize,
+    da: &[f32],
+    out: &mut [f32],
+) {
+    assert_eq!(yu.len(), n * nb * 32);
+    let q5 = ty == GgmlType::Q5_0;
+    let wb = row_bytes / nb;
+    let dst = SharedMut(out.as_mut_ptr());
+    pool.for_range(rows / GROUP, 1, |range| {
+        let mut panel = vec![0u8; nb * avx512::SLOT];
+        for g in range {
+            for b in 0..nb {
+                for r in 0..GROUP {
+                    // SAFETY: AVX-512 detected; block (g * 4 + r, b) lies inside `w` (whole
+                    // groups of rows, `nb` blocks of `wb` bytes each) and block b's slot inside
+                    // `panel`.
+                    unsafe {
+                        avx512::pack_block(
+                            w.as_ptr().add((g * GROUP + r) * row_bytes + b * wb),
+                            q5,
+                            r,
+                            panel.as_mut_ptr().add(b * avx512::SLOT),
+                        )
+                    };
+                }
+            }
+            let mut t0 = 0;
+            while t0 < n {
+                let m = (n - t0).min(avx512::TILE_M);
+                let mut res = [[0f32; GROUP]; avx512::TILE_M];
+                // SAFETY: AVX-512 detected; the panel holds `nb` blocks; rows `t0..t0 + m` of
+                // `yu` and `da` exist (`t0 + m <= n`); `m` is in 1..=TILE_M.
+                unsafe {
+                    avx512::tile(
+                        nb,
+                        panel.as_ptr(),
+                        yu.as_ptr().add(t0 * nb * 32),
+                        da.as_ptr().add(t0 * nb),
+                        m,
+                        &mut res,
+                    )
+                };
+                for (j, r) in res[..m].iter().enumerate() {
+                    // SAFETY: t0 + j < n and g * 4 + 4 <= rows, so the 4 elements at
+                    // (t0 + j) * rows + g * 4 are inside `out`; group g is this chunk's only.
+                    unsafe {
+                        let o = dst.ptr().add((t0 + j) * rows + g * GROUP);
+                        std::ptr::copy_nonoverlapping(r.as_ptr(), o, GROUP);
+                    }
+                }
+                t0 += m;
+            }
+        }
+    });
 }
 
 /// One panel against `m` (1..=3) activation rows: `out[j][r]` = activation row `j` · weight row

@@ -5,8 +5,23 @@ use crate::quant::{quantize_activations, quantize_row};
 
 use crate::kernels::cpu::test_floats as data;
 
+thread_local! {
+    /// Makes [`matmul`] on this thread take the AVX2 tile even at the AVX-512 level.
+    pub(super) static FORCE_AVX2: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 #[test]
 fn gemm_equals_dot_bit_for_bit() {
+    gemm_equals_dot(false);
+}
+
+#[test]
+fn avx2_tile_equals_dot_at_every_level() {
+    FORCE_AVX2.with(|f| f.set(true));
+    gemm_equals_dot(true);
+}
+
+fn gemm_equals_dot(avx2: bool) {
     let (rows, cols) = (10, 320);
     for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
         let Some(k) = crate::kernels::cpu::simd::kernels(ty) else {
@@ -19,7 +34,7 @@ fn gemm_equals_dot_bit_for_bit() {
             w.extend_from_slice(&tmp);
         }
         let rb = tmp.len();
-        for n in [16, 17, 18, 35] {
+        for n in [16, 17, 18, 19, 20, 21, 22, 23, 35] {
             let mut a = Vec::new();
             for t in 0..n {
                 quantize_activations(ty, &data(cols, 900 + t as u32), &mut tmp).unwrap();
@@ -37,7 +52,7 @@ fn gemm_equals_dot_bit_for_bit() {
                     assert_eq!(
                         got.to_bits(),
                         want.to_bits(),
-                        "{} n={n} t={t} r={r}",
+                        "{} n={n} t={t} r={r} avx2-forced={avx2}",
                         ty.name()
                     );
                 }

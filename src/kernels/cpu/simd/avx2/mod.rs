@@ -18,7 +18,7 @@ use crate::format::GgmlType;
 
 mod float;
 pub(crate) mod kquants;
-mod legacy;
+pub(crate) mod legacy;
 
 /// Whether this CPU has everything the AVX2 kernels use (std caches the CPUID probe).
 pub(super) fn detected() -> bool {
@@ -77,7 +77,7 @@ pub(super) fn q4k_gemm() -> Option<Kernels> {
 
 /// Number of blocks in a row of `n` elements; panics unless `n` is a whole number of `elems`-element
 /// blocks and `w_len` is exactly that many `w_bytes`-byte blocks.
-fn blocks(n: usize, elems: usize, w_len: usize, w_bytes: usize) -> usize {
+pub(crate) fn blocks(n: usize, elems: usize, w_len: usize, w_bytes: usize) -> usize {
     assert!(
         n.is_multiple_of(elems),
         "n = {n} is not a whole number of {elems}-element blocks"
@@ -104,7 +104,8 @@ macro_rules! entries {
                 "activation row must be exactly {nb} blocks"
             );
             let mut out = [0f32; 1];
-            // SAFETY: only `kernels()` hands this function out, after checking AVX2, FMA and F16C;
+            // SAFETY: only the level's `kernels()` hands this function out, after checking the
+            // CPU has the level's features;
             // `w` is exactly `nb` weight blocks and `a` exactly `nb` activation blocks (checked
             // above), and `rows::<1>` reads only those and writes only `out[0]`.
             unsafe { $rows::<1>(nb, w.as_ptr(), a.as_ptr(), 0, out.as_mut_ptr()) };
@@ -137,7 +138,7 @@ macro_rules! entries {
         }
     };
 }
-use entries;
+pub(crate) use entries;
 
 /// `$rows::<k>(..)` for a run-time `k` in `1..=$max` (`$max` 2, 4 or 8).
 macro_rules! rows_dispatch {
@@ -168,7 +169,7 @@ macro_rules! rows_dispatch {
         }
     };
 }
-use rows_dispatch;
+pub(crate) use rows_dispatch;
 
 /// Defines the safe entry point `$name` ([`super::DotRowsFn`]) from a four-row decode kernel
 /// `$wrows4(nb, w, row_bytes, a, out)` and, for a last group of fewer than four rows, the one-row
@@ -191,8 +192,8 @@ macro_rules! wrows_entry {
             let (wp, ap, o) = (w.as_ptr(), a.as_ptr(), out.as_mut_ptr());
             let mut i = 0;
             while i < r {
-                // SAFETY: only `dot_rows()` hands this function out, after checking AVX2, FMA
-                // and F16C; `w` holds `r` rows of `nb` blocks `row_bytes` apart and `a` one row
+                // SAFETY: only the level's `dot_rows()` hands this function out, after checking
+                // the CPU has the level's features; `w` holds `r` rows of `nb` blocks `row_bytes` apart and `a` one row
                 // of `nb` activation blocks (checked above); `out` has `r` slots, and the calls
                 // touch rows / slots `i..i + 4` (or `i`) only, all below `r`.
                 unsafe {
@@ -208,7 +209,7 @@ macro_rules! wrows_entry {
         }
     };
 }
-use wrows_entry;
+pub(crate) use wrows_entry;
 
 // ---- shared helpers: all `#[inline]` + the level's features, so they inline into the kernels ----
 
@@ -222,7 +223,7 @@ const PREFETCH: usize = 2304;
 /// faults (the address may lie past the weights: `wrapping_add`, and prefetches are only hints).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch_ahead(x: *const u8, lines: usize) {
+pub(crate) fn prefetch_ahead(x: *const u8, lines: usize) {
     for l in 0..lines {
         _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + 64 * l).cast());
     }
@@ -245,13 +246,13 @@ pub(crate) unsafe fn bcast32(p: *const u8) -> __m256i {
 /// Unaligned 16-byte load.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn ld128(p: *const u8) -> __m128i {
+pub(crate) unsafe fn ld128(p: *const u8) -> __m128i {
     _mm_loadu_si128(p.cast())
 }
 
 /// The little-endian f32 at `p` (unaligned).
 #[inline]
-unsafe fn rd_f32(p: *const u8) -> f32 {
+pub(crate) unsafe fn rd_f32(p: *const u8) -> f32 {
     p.cast::<f32>().read_unaligned()
 }
 
@@ -268,7 +269,7 @@ unsafe fn rd_u32(p: *const u8) -> u32 {
 /// the per-block scale of the 32-value kernels to the previous block's accumulator.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_bcast(p: *const u8) -> __m256 {
+pub(crate) unsafe fn f16_bcast(p: *const u8) -> __m256 {
     _mm256_cvtph_ps(_mm_set1_epi16(p.cast::<i16>().read_unaligned()))
 }
 
