@@ -16,6 +16,12 @@ use std::arch::x86_64::*;
 use super::Kernels;
 use crate::format::GgmlType;
 
+pub(crate) use super::avx2::{blocks, entries, rows_dispatch, wrows_entry};
+
+pub(crate) mod kquants;
+pub(crate) mod legacy;
+pub(crate) mod quantize;
+
 /// Whether this CPU has everything the AVX-512 kernels use (and the AVX2 level's features, which
 /// they fall back on).
 pub(crate) fn detected() -> bool {
@@ -29,15 +35,28 @@ pub(crate) fn detected() -> bool {
 /// The AVX-512 kernels for `ty`, or `None` where this level has none of its own (the caller then
 /// takes the AVX2 ones).
 pub(super) fn kernels(ty: GgmlType) -> Option<Kernels> {
-    let _ = ty;
-    None
+    if !detected() {
+        return None;
+    }
+    let (dot, tile, name): (super::DotFn, super::DotTileFn, &'static str) = match ty {
+        GgmlType::Q6K => (kquants::q6k_dot, kquants::q6k_tile, "avx512/q6_K"),
+        _ => return None,
+    };
+    Some(Kernels { dot, tile, name })
 }
 
 /// The AVX-512 decode kernel over many weight rows for `ty`, or `None` where this level has none
 /// of its own.
 pub(super) fn dot_rows(ty: GgmlType) -> Option<super::DotRowsFn> {
-    let _ = ty;
-    None
+    if !detected() {
+        return None;
+    }
+    match ty {
+        GgmlType::Q6K => Some(kquants::q6k_dot_rows),
+        GgmlType::Q8_0 => Some(legacy::q8_0_dot_rows),
+        GgmlType::Q5_0 => Some(legacy::q5_0_dot_rows),
+        _ => None,
+    }
 }
 
 /// The 4 bytes at `p` (unaligned) broadcast to all sixteen dwords.

@@ -1,0 +1,109 @@
+//! AVX-512 twin of ggml's `quantize_row_q8_K_ref` (the activation format of the k-quants), bit for
+//! bit: the same first element of largest magnitude, the same `iscale = -127 / max` and products,
+//! round-to-nearest-even where the reference adds 1.5·2²³, the same clamp at 127, block sums and
+//! `d = 1 / iscale`. The tests hold it to `crate::quant::quantize::quantize_row_q8_k`.
+
+use std::arch::x86_64::*;
+
+/// Bytes of one Q8_K block: `d` (f32), 256 `i8`, 16 `i16` block sums.
+const BLOCK: usize = 292;
+
+/// Quantizes `src` (a whole number of 256-value blocks) into `dst` (exactly that many Q8_K
+/// blocks). Panics on other lengths or where the AVX-512 level is missing.
+pub(crate) fn quantize_row_q8k(src: &[f32], dst: &mut [u8]) {
+    assert!(super::detected(), "the AVX-512 level is not available");
+    assert!(
+        src.len().is_multiple_of(256),
+        "Q8_K rows are whole 256-value blocks"
+    );
+    assert_eq!(dst.len(), src.len() / 256 * BLOCK, "Q8_K output bytes");
+    for (x, o) in src.chunks_exact(256).zip(dst.chunks_exact_mut(BLOCK)) {
+        // SAFETY: the AVX-512 level was detected (asserted); `x` holds 256 floats and `o` one
+        // block's bytes, which is all `block` reads and writes.
+        unsafe { block(x.as_ptr(), o.as_mut_ptr()) };
+    }
+}
+
+/// # Safety
+/// The AVX-512 level is available; `x` points at 256 floats, `o` at [`BLOCK`] writable bytes.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn block(x: *const f32, o: *mut u8) {
+    let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
+    let abs = |v: __m512| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+    let mut m = _mm512_setzero_ps();
+    for k in 0..16 {
+        // `vmaxps` returns its second operand when either is NaN: NaNs never win, as in the
+        // reference's `ax > amax`.
+        m = _mm512_max_ps(abs(_mm512_loadu_ps(x.add(16 * k))), m);
+    }
+    let amax = _mm512_reduce_max_ps(m);
+    if amax == 0.0 {
+        std::ptr::write_bytes(o, 0, BLOCK);
+        return;
+    }
+    // The first element whose magnitude is `amax`, with its sign.
+    let target = _mm512_set1_ps(amax);
+    let mut max = 0.0f32;
+    for k in 0..16 {
+        let hit = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(abs(_mm512_loadu_ps(x.add(16 * k))), target);
+        if hit != 0 {
+            max = *x.add(16 * k + hit.trailing_zeros() as usize);
+            break;
+        }
+    }
+    let iscale = -127.0 / max;
+    let vs = _mm512_set1_ps(iscale);
+    let c127 = _mm512_set1_epi32(127);
+    for k in 0..16 {
+        let q = _mm512_cvtps_epi32(_mm512_mul_ps(vs, _mm512_loadu_ps(x.add(16 * k))));
+        let q = _mm512_min_epi32(q, c127);
+        _mm_storeu_si128(o.add(4 + 16 * k).cast(), _mm512_cvtepi32_epi8(q));
+        let s = _mm512_reduce_add_epi32(q) as i16;
+        o.add(260 + 2 * k).cast::<i16>().write_unaligned(s);
+    }
+    o.cast::<f32>().write_unaligned(1.0 / iscale);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equals_the_scalar_reference() {
+        if !super::super::detected() {
+            return;
+        }
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let mut cases: Vec<Vec<f32>> = Vec::new();
+        for scale in [1e-3f32, 1.0, 37.5, 1e4] {
+            cases.push((0..512).map(|_| next() * scale).collect());
+        }
+        // Ties of magnitude (the first one decides the sign), all zeros, a NaN, halves that
+        // round to even, a lone spike.
+        let mut ties = vec![0.25f32; 256];
+        ties[3] = -2.0;
+        ties[200] = 2.0;
+        cases.push(ties);
+        cases.push(vec![0.0; 256]);
+        let mut nan: Vec<f32> = (0..256).map(|i| i as f32 - 100.0).collect();
+        nan[5] = f32::NAN;
+        cases.push(nan);
+        cases.push((0..256).map(|i| (i as f32 - 127.0) * 0.5).collect());
+        let mut spike = vec![1e-6f32; 256];
+        spike[255] = -3.0;
+        cases.push(spike);
+        for (i, src) in cases.iter().enumerate() {
+            let mut want = vec![0u8; src.len() / 256 * BLOCK];
+            crate::quant::quantize::quantize_row_q8_k(src, &mut want);
+            let mut got = vec![0xAAu8; want.len()];
+            quantize_row_q8k(src, &mut got);
+            assert_eq!(got, want, "case {i}");
+        }
+    }
+}
