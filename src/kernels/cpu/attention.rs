@@ -738,12 +738,15 @@ mod tests {
         let qs: Vec<Vec<f32>> = (0..4)
             .map(|r| crate::kernels::cpu::test_floats(hd, 30 + r))
             .collect();
-        // consecutive prompt rows, a tile boundary between rows, sliding-window-like starts, one row
-        let cases: [&[(usize, usize)]; 4] = [
+        // consecutive prompt rows, a tile boundary between rows, sliding-window-like starts, one,
+        // two and three rows
+        let cases: [&[(usize, usize)]; 6] = [
             &[(5, 200), (5, 201), (5, 202), (5, 203)],
             &[(5, 126), (5, 127), (5, 128), (5, 129)],
             &[(70, 190), (71, 191), (140, 192), (150, 303)],
             &[(9, 9)],
+            &[(5, 100), (5, 101)],
+            &[(5, 50), (20, 51), (5, 130)],
         ];
         for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
             for ranges in cases {

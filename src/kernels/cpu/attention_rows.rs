@@ -122,13 +122,28 @@ fn scores(
     want: usize,
     out: &mut [[[f32; 8]; 8]; ROWS],
 ) -> usize {
-    let groups = match qs.len() {
-        1 => 8,
-        2 => 4,
+    let wide = wide();
+    // Key groups per call: eight accumulator vectors where the rows allow.
+    let groups = match (qs.len(), wide) {
+        (1, _) | (2, true) => 8,
+        (2, false) | (_, true) => 4,
         _ => 2,
     };
     let k = want.min(groups);
     let kts: [&[f32]; 8] = std::array::from_fn(|i| heads.kt(g + i.min(k - 1)));
+    if wide {
+        // SAFETY: `wide()` holds only at the AVX-512 level (its features detected); every `kt`
+        // slice holds 8 values per element of each query row (`Heads::kt`, rows of `hd` values).
+        unsafe {
+            match qs.len() {
+                1 => scores_avx512::<1, 4>(qs, &kts, out),
+                2 => scores_avx512::<2, 4>(qs, &kts, out),
+                3 => scores_avx512::<3, 2>(qs, &kts, out),
+                _ => scores_avx512::<4, 2>(qs, &kts, out),
+            }
+        }
+        return k;
+    }
     // SAFETY: `applies` (asserted by the caller) means AVX2 and FMA were detected; every `kt`
     // slice holds 8 values per element of each query row (`Heads::kt`, rows of `hd` values).
     unsafe {
@@ -175,6 +190,51 @@ unsafe fn scores_avx2<const R: usize, const G: usize>(
     }
 }
 
+/// Whether the AVX-512 kernels run (the AVX-512 level): sixteen lanes, the same per-lane chains.
+fn wide() -> bool {
+    crate::kernels::cpu::simd::current() >= crate::kernels::cpu::simd::Level::Avx512
+}
+
+/// [`scores_avx2`] with sixteen lanes: vector `i` holds key groups `2i` and `2i + 1` (`P` pairs),
+/// each score still one FMA chain in `d` order, so the scores are bit-identical.
+///
+/// # Safety
+/// The AVX-512 level is available; as [`scores_avx2`] with `G = 2P` groups.
+#[allow(clippy::needless_range_loop)] // rows, groups and positions index several arrays at once
+#[target_feature(enable = "avx2,fma,avx512f")]
+unsafe fn scores_avx512<const R: usize, const P: usize>(
+    qs: &[&[f32]],
+    kt: &[&[f32]; 8],
+    out: &mut [[[f32; 8]; 8]; ROWS],
+) {
+    let n = qs[0].len();
+    assert!(R <= qs.len() && qs[..R].iter().all(|q| q.len() == n));
+    assert!(2 * P <= 8 && kt[..2 * P].iter().all(|k| k.len() >= 8 * n));
+    let mut c = [[_mm512_setzero_ps(); P]; R];
+    for d in 0..n {
+        let xs: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(qs[r][d]));
+        for i in 0..P {
+            let lo = _mm256_loadu_ps(kt[2 * i].as_ptr().add(8 * d));
+            let hi = _mm256_loadu_ps(kt[2 * i + 1].as_ptr().add(8 * d));
+            let kv = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                _mm256_castps_pd(hi),
+            ));
+            for r in 0..R {
+                c[r][i] = _mm512_fmadd_ps(kv, xs[r], c[r][i]);
+            }
+        }
+    }
+    for r in 0..R {
+        for i in 0..P {
+            let mut both = [0f32; 16];
+            _mm512_storeu_ps(both.as_mut_ptr(), c[r][i]);
+            out[r][2 * i].copy_from_slice(&both[..8]);
+            out[r][2 * i + 1].copy_from_slice(&both[8..]);
+        }
+    }
+}
+
 /// `acc_r[d] = fma(v[p][d], ws[r][p - a], acc_r[d])` for p = a + spans[r].0 ..= a + spans[r].1,
 /// one chain per element in position order, each V vector loaded once for all rows.
 fn accumulate_v(
@@ -198,9 +258,16 @@ fn accumulate_v(
     let cs = spans.iter().map(|s| s.0).max().unwrap_or(0);
     let ce = spans.iter().map(|s| s.1).min().unwrap_or(0);
     let kvd = heads.kvd;
+    let wide = wide();
     let one = |r: usize, i0: usize, i1: usize, accs: &mut [&mut [f32]]| {
         // SAFETY: as for the shared call below, for one row.
-        unsafe { v_avx2::<1, 8>(first, kvd, hd, &ws[r..=r], i0, i1, &mut accs[r..=r]) }
+        unsafe {
+            if wide {
+                v_avx512::<1, 4>(first, kvd, hd, &ws[r..=r], i0, i1, &mut accs[r..=r])
+            } else {
+                v_avx2::<1, 8>(first, kvd, hd, &ws[r..=r], i0, i1, &mut accs[r..=r])
+            }
+        }
     };
     if cs > ce {
         for (r, &(lo, hi)) in spans.iter().enumerate() {
@@ -217,11 +284,16 @@ fn accumulate_v(
     // of `hd` values start at `first + (p - a) * kvd` inside the buffer (checked just above), every
     // position index used is at most b - a, and each accumulator has `hd` values, a multiple of
     // 64.
+    // At the AVX-512 level the same with sixteen lanes (`wide()` only after its detection).
     unsafe {
-        match ws.len() {
-            1 => v_avx2::<1, 8>(first, kvd, hd, ws, cs, ce, accs),
-            2 => v_avx2::<2, 4>(first, kvd, hd, ws, cs, ce, accs),
-            3 => v_avx2::<3, 2>(first, kvd, hd, ws, cs, ce, accs),
+        match (ws.len(), wide) {
+            (1, true) => v_avx512::<1, 4>(first, kvd, hd, ws, cs, ce, accs),
+            (2, true) => v_avx512::<2, 4>(first, kvd, hd, ws, cs, ce, accs),
+            (3, true) => v_avx512::<3, 2>(first, kvd, hd, ws, cs, ce, accs),
+            (_, true) => v_avx512::<4, 2>(first, kvd, hd, ws, cs, ce, accs),
+            (1, _) => v_avx2::<1, 8>(first, kvd, hd, ws, cs, ce, accs),
+            (2, _) => v_avx2::<2, 4>(first, kvd, hd, ws, cs, ce, accs),
+            (3, _) => v_avx2::<3, 2>(first, kvd, hd, ws, cs, ce, accs),
             _ => v_avx2::<4, 2>(first, kvd, hd, ws, cs, ce, accs),
         }
     }
@@ -267,6 +339,44 @@ unsafe fn v_avx2<const R: usize, const V: usize>(
         for r in 0..R {
             for j in 0..V {
                 _mm256_storeu_ps(accs[r].as_mut_ptr().add(d0 + 8 * j), c[r][j]);
+            }
+        }
+    }
+}
+
+/// [`v_avx2`] with sixteen lanes (`V` vectors, 16·V values, at a time): each element's chain is
+/// the same, so the results are bit-identical.
+///
+/// # Safety
+/// The AVX-512 level is available; as [`v_avx2`] with `hd % (16 * V) == 0`.
+#[allow(clippy::needless_range_loop)] // rows, groups and positions index several arrays at once
+#[target_feature(enable = "avx2,fma,avx512f")]
+unsafe fn v_avx512<const R: usize, const V: usize>(
+    v0: *const f32,
+    step: usize,
+    hd: usize,
+    ws: &[&[f32]],
+    i0: usize,
+    i1: usize,
+    accs: &mut [&mut [f32]],
+) {
+    for d0 in (0..hd).step_by(16 * V) {
+        let mut c: [[__m512; V]; R] = std::array::from_fn(|r| {
+            std::array::from_fn(|j| _mm512_loadu_ps(accs[r].as_ptr().add(d0 + 16 * j)))
+        });
+        for i in i0..=i1 {
+            let v = v0.add(i * step + d0);
+            let wv: [__m512; R] = std::array::from_fn(|r| _mm512_set1_ps(ws[r][i]));
+            for j in 0..V {
+                let x = _mm512_loadu_ps(v.add(16 * j));
+                for r in 0..R {
+                    c[r][j] = _mm512_fmadd_ps(x, wv[r], c[r][j]);
+                }
+            }
+        }
+        for r in 0..R {
+            for j in 0..V {
+                _mm512_storeu_ps(accs[r].as_mut_ptr().add(d0 + 16 * j), c[r][j]);
             }
         }
     }

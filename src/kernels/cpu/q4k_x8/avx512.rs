@@ -17,6 +17,8 @@ use super::{A_BYTES, BLOCK_BYTES, GROUP};
 
 /// Weight rows per unit.
 const R: usize = 2 * GROUP;
+/// How far ahead decode prefetches, in bytes (four unit blocks).
+const PREFETCH: usize = 8 * BLOCK_BYTES;
 
 /// See [`super::dot_pair`].
 ///
@@ -77,6 +79,14 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
     let mut accm = [_mm512_setzero_ps(); M];
     for b in 0..nb {
         let x = w.add(2 * b * BLOCK_BYTES);
+        if M == 1 {
+            // Decode streams the packed weights once: prefetch into L2 four units' blocks ahead
+            // (past the unit's end too, into the next unit of the same stream; prefetches never
+            // fault). Worth ~5% of one thread's decode on the development machine.
+            for l in 0..2 * BLOCK_BYTES / 64 {
+                _mm_prefetch::<_MM_HINT_T1>(x.wrapping_add(PREFETCH + 64 * l).cast());
+            }
+        }
         // Scales and mins of the 16 rows (get_scale_min_k4 on the transposed bytes, all rows at
         // once): byte 16j + c of `sc03` is sub-block j's scale of row c, `sc47` the same for
         // sub-blocks 4..8, `mn03`/`mn47` for the mins.

@@ -205,11 +205,21 @@ fn matmul_avx512(
     let row_bytes = w.len() / rows;
     YU.with_borrow_mut(|yu| {
         // yu[(t * nb + b) * 32 ..]: block b of activation row t, each byte + 128.
-        yu.clear();
-        yu.extend(
-            xq.chunks_exact(A_BYTES)
-                .flat_map(|blk| blk[2..].iter().map(|&v| v ^ 0x80)),
-        );
+        yu.resize(n * nb * 32, 0);
+        let dst = SharedMut(yu.as_mut_ptr());
+        pool.for_range(n, 8, |range| {
+            let (lo, hi) = (range.start * nb, range.end * nb);
+            // SAFETY: blocks `lo..hi` (rows `range`) of `yu` (n * nb blocks of 32 bytes) belong to
+            // this chunk only.
+            let o =
+                unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(lo * 32), (hi - lo) * 32) };
+            let src = xq[lo * A_BYTES..hi * A_BYTES].chunks_exact(A_BYTES);
+            for (o, blk) in o.chunks_exact_mut(32).zip(src) {
+                for (o, &v) in o.iter_mut().zip(&blk[2..]) {
+                    *o = v ^ 0x80;
+                }
+            }
+        });
         matmul_avx512_panels(pool, ty, w, rows, row_bytes, yu, n, nb, da, out);
     });
 }
