@@ -120,13 +120,16 @@ impl Speculator {
         Speculator::new(Method::Lookup(PromptLookup::new(ngram_max)), draft_max)
     }
 
-    /// The draft length the next step asks for. When the cost model finds plain decoding faster
-    /// than any draft it is 0, except on every [`EXPLORE`]th step, which drafts one token to keep
-    /// the measurements current.
+    /// The draft length the next step asks for: the cost model's best length once it has the
+    /// measurements (its per-position acceptance already knows that a draft which just failed
+    /// early tends to fail early again, and that a copy which held tends to hold, so it needs no
+    /// slow regrowth after a rejection), else the acceptance-adapted length. When the cost model
+    /// finds plain decoding faster than any draft it is 0, except on every [`EXPLORE`]th step,
+    /// which drafts one token to keep the measurements current.
     pub fn next_k(&self) -> usize {
         match self.cost.best_k(self.draft_max) {
             Some(0) if self.cost_based && !self.stats.forwards.is_multiple_of(EXPLORE) => 0,
-            Some(best) if self.cost_based => self.k.min(best.max(1)),
+            Some(best) if self.cost_based => best.max(1),
             _ => self.k,
         }
     }
