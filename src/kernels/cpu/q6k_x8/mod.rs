@@ -35,6 +35,7 @@ mod tests;
 pub const GROUP: usize = 8;
 /// Bytes of one panel block.
 pub const PANEL_BLOCK: usize = 32 + 128 + 2048;
+const _: () = assert!(PANEL_BLOCK == 276 * GROUP && WIDE_BLOCK == 276 * WIDE);
 /// Weight rows per wide panel (AVX-512).
 pub const WIDE: usize = 2 * GROUP;
 /// Bytes of one wide panel block.
@@ -65,42 +66,31 @@ fn unpack_block(x: &[u8], q: &mut [u8; 256]) {
 
 /// Packs eight rows (`src`: 8 rows of `nb` file blocks) into `panel` (`nb` panel blocks).
 pub fn pack_group(src: &[u8], nb: usize, panel: &mut [u8]) {
-    let row_bytes = nb * W_BYTES;
-    let mut q = [0u8; 256];
-    for b in 0..nb {
-        let o = &mut panel[b * PANEL_BLOCK..(b + 1) * PANEL_BLOCK];
-        for c in 0..GROUP {
-            let x = &src[c * row_bytes + b * W_BYTES..c * row_bytes + (b + 1) * W_BYTES];
-            let d = half::f16::from_le_bytes([x[208], x[209]]).to_f32();
-            o[4 * c..4 * c + 4].copy_from_slice(&d.to_le_bytes());
-            for sb in 0..16 {
-                o[32 + 8 * sb + c] = x[192 + sb];
-            }
-            unpack_block(x, &mut q);
-            for (e4, v) in q.chunks_exact(4).enumerate() {
-                let at = 160 + 32 * e4 + 4 * c;
-                o[at..at + 4].copy_from_slice(v);
-            }
-        }
-    }
+    pack_rows(src, nb, GROUP, panel);
 }
 
 /// Packs sixteen rows (`src`: 16 rows of `nb` file blocks) into a wide `panel` (`nb` blocks).
 pub fn pack_wide(src: &[u8], nb: usize, panel: &mut [u8]) {
-    let row_bytes = nb * W_BYTES;
+    pack_rows(src, nb, WIDE, panel);
+}
+
+/// `r` rows (8 or 16) into panel blocks of `276r` bytes: both layouts are this one (`d` at 0,
+/// scales at `4r`, values at `20r`) for their row count.
+fn pack_rows(src: &[u8], nb: usize, r: usize, panel: &mut [u8]) {
+    let (row_bytes, block) = (nb * W_BYTES, 276 * r);
     let mut q = [0u8; 256];
     for b in 0..nb {
-        let o = &mut panel[b * WIDE_BLOCK..(b + 1) * WIDE_BLOCK];
-        for c in 0..WIDE {
+        let o = &mut panel[b * block..(b + 1) * block];
+        for c in 0..r {
             let x = &src[c * row_bytes + b * W_BYTES..c * row_bytes + (b + 1) * W_BYTES];
             let d = half::f16::from_le_bytes([x[208], x[209]]).to_f32();
             o[4 * c..4 * c + 4].copy_from_slice(&d.to_le_bytes());
             for sb in 0..16 {
-                o[64 + 16 * sb + c] = x[192 + sb];
+                o[4 * r + r * sb + c] = x[192 + sb];
             }
             unpack_block(x, &mut q);
             for (e4, v) in q.chunks_exact(4).enumerate() {
-                let at = 320 + 64 * e4 + 4 * c;
+                let at = 20 * r + 4 * r * e4 + 4 * c;
                 o[at..at + 4].copy_from_slice(v);
             }
         }
