@@ -66,6 +66,8 @@ enum Drafter<'a> {
     Lookup,
     SelfDraft(usize),
     Model(&'a std::path::Path),
+    /// A draft model that drafts ahead on its own thread during each verify.
+    ModelAhead(&'a std::path::Path),
 }
 
 fn check(file: &str, max_tokens: usize, stop: &[&str], drafter: Drafter<'_>) {
@@ -84,7 +86,7 @@ fn check(file: &str, max_tokens: usize, stop: &[&str], drafter: Drafter<'_>) {
     let method = match drafter {
         Drafter::Lookup => Method::Lookup(infer::engine::speculative::PromptLookup::new(3)),
         Drafter::SelfDraft(layers) => Method::SelfDraft { layers },
-        Drafter::Model(path) => {
+        Drafter::Model(path) | Drafter::ModelAhead(path) => {
             let (dg, draft) = load_runner(path, 1024);
             check_vocab(&tok, &Tokenizer::from_gguf(&dg).unwrap()).unwrap();
             Method::Model(Box::new(DraftModel::new(draft)))
@@ -94,11 +96,16 @@ fn check(file: &str, max_tokens: usize, stop: &[&str], drafter: Drafter<'_>) {
     let mut spec = Speculator::new(method, 8);
     // The draft length must not depend on timings here (the counters are asserted on).
     spec.cost_based = false;
+    spec.overlap = matches!(drafter, Drafter::ModelAhead(_));
     let got = run(&mut runner, &tok, &prompt, &params, Some(&mut spec));
     assert_eq!(
         got, plain,
         "{file} {name}: speculative output differs from plain decoding"
     );
+    if let (Drafter::ModelAhead(_), Method::Model(m)) = (drafter, &spec.method) {
+        assert!(m.ahead_used > 0, "{file}: no draft made ahead was used");
+        eprintln!("{file} {name}: {} drafts made ahead used", m.ahead_used);
+    }
     let s = spec.stats;
     assert!(s.accepted > 0, "{file} {name}: no draft accepted ({s:?})");
     assert!(s.produced >= plain.0.len().saturating_sub(1));
@@ -157,6 +164,16 @@ fn gemma_greedy_draft_model_equals_plain_with_stop_string() {
     let draft = requantize(GEMMA, "q4_0");
     check(GEMMA, 48, &[], Drafter::Model(&draft));
     check(GEMMA, 48, &["count"], Drafter::Model(&draft));
+    // Drafting ahead during each verify: some drafts made ahead follow a rejected verdict and
+    // must be dropped.
+    check(GEMMA, 48, &["count"], Drafter::ModelAhead(&draft));
+}
+
+#[test]
+fn qwen_greedy_draft_model_ahead_equals_plain() {
+    // The draft equals the target: every draft is accepted and the draft's own next token is the
+    // target's, so drafts made ahead are used at every step.
+    check(QWEN, 40, &[], Drafter::ModelAhead(&model(QWEN)));
 }
 
 #[test]

@@ -151,6 +151,10 @@ pub fn run(a: RunArgs) -> Result<()> {
         }
     };
     let mut spec = speculator(&a, &tok, runner.model.cfg.n_layer)?;
+    if let Some(s) = spec.as_mut() {
+        // A draft model on the CPU drafts ahead while a GPU target verifies.
+        s.overlap = runner.model.backend.gpu_layers > 0;
+    }
     let hooks = GenHooks {
         logprobs: a.logprobs,
         prefill_progress: Some(&mut on_prefill),

@@ -93,6 +93,10 @@ pub struct Speculator {
     pub draft_max: usize,
     /// Cap the draft length by the cost model (on by default).
     pub cost_based: bool,
+    /// With a draft model: draft the next step's tokens on another thread while the target
+    /// verifies (`DraftModel::draft_ahead`). Pays when the target runs elsewhere (a GPU); on
+    /// the CPU the two compete for the same cores. Off by default.
+    pub overlap: bool,
     /// Current adaptive draft length.
     k: usize,
     pub stats: SpecStats,
@@ -108,6 +112,7 @@ impl Speculator {
             method,
             draft_max,
             cost_based: true,
+            overlap: false,
             k: draft_max.min(4),
             stats: SpecStats::default(),
             cost: CostModel::default(),
@@ -189,7 +194,24 @@ impl Speculator {
         seq.tokens.extend_from_slice(&draft.tokens);
         let t = Instant::now();
         runner.model.backend.set_row_invariant(true);
-        let rows = runner.compute_all(seq);
+        let rows = match (&mut self.method, self.overlap) {
+            (Method::Model(m), true) => {
+                // The draft model drafts ahead on its own thread while the target verifies.
+                let (history, vocab) = (seq.tokens.clone(), runner.vocab_size());
+                let ds = self
+                    .sampler
+                    .as_mut()
+                    .expect("the draft sampler exists once a draft was made");
+                std::thread::scope(|s| {
+                    let ahead = s.spawn(|| m.draft_ahead(&history, n, vocab, ds));
+                    let rows = runner.compute_all(seq);
+                    // A failed draft-ahead only means the next step drafts as usual.
+                    let _ = ahead.join();
+                    rows
+                })
+            }
+            _ => runner.compute_all(seq),
+        };
         runner.model.backend.set_row_invariant(false);
         let mut rows = rows?;
         self.cost

@@ -54,6 +54,10 @@ fn pick(sampler: &mut Sampler, logits: &[f32], history: &[u32], draft: &mut Draf
 pub struct DraftModel {
     pub runner: Runner<CpuBackend>,
     seq: Sequence,
+    /// A draft made ahead of time ([`DraftModel::draft_ahead`]) and the history it follows.
+    ahead: Option<(Vec<u32>, Draft)>,
+    /// How many drafts were served from a draft made ahead.
+    pub ahead_used: usize,
 }
 
 impl DraftModel {
@@ -61,7 +65,38 @@ impl DraftModel {
         DraftModel {
             runner,
             seq: Sequence::default(),
+            ahead: None,
+            ahead_used: 0,
         }
+    }
+
+    /// Drafts ahead while the target verifies `history` (which ends with the drafted tokens):
+    /// the draft's own pick `g` for the token after them, then up to `k` tokens after
+    /// `history + g`, kept for the next [`DraftModel::draft`], which uses them if its history is
+    /// exactly `history + g` (every draft accepted and the target's next token is `g`). The
+    /// kept tokens were drawn from the draft's distributions given that history, so using them
+    /// is the same as drafting them then.
+    pub fn draft_ahead(
+        &mut self,
+        history: &[u32],
+        k: usize,
+        target_vocab: usize,
+        sampler: &mut Sampler,
+    ) -> Result<()> {
+        self.ahead = None;
+        let mut d = self.draft(history, k + 1, target_vocab, sampler)?;
+        if d.tokens.len() < 2 {
+            return Ok(());
+        }
+        let g = d.tokens.remove(0);
+        if let Some(q) = &mut d.q {
+            q.remove(0);
+        }
+        d.setup_secs = 0.0;
+        let mut follows = history.to_vec();
+        follows.push(g);
+        self.ahead = Some((follows, d));
+        Ok(())
     }
 
     /// Drafts up to `k` tokens following `history` (prompt and output so far). Limited by the
@@ -77,6 +112,16 @@ impl DraftModel {
         let mut d = Draft::default();
         if k == 0 {
             return Ok(d);
+        }
+        if let Some((follows, mut ahead)) = self.ahead.take() {
+            if follows == history {
+                ahead.tokens.truncate(k);
+                if let Some(q) = &mut ahead.q {
+                    q.truncate(k);
+                }
+                self.ahead_used += 1;
+                return Ok(ahead);
+            }
         }
         self.runner.reuse_prefix(&mut self.seq, history);
         let t = std::time::Instant::now();
@@ -104,8 +149,9 @@ impl DraftModel {
         Ok(d)
     }
 
-    /// Forgets the draft's sequence (between generations).
+    /// Forgets the draft's sequence and any draft made ahead (between generations).
     pub fn reset(&mut self) {
+        self.ahead = None;
         self.runner.release(&mut self.seq);
     }
 }
