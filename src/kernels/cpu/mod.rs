@@ -30,6 +30,27 @@ impl<T> SharedMut<T> {
     }
 }
 
+impl SharedMut<f32> {
+    /// Writes a GEMM tile's results into the `(_, stride)` row-major output behind the pointer:
+    /// the first `width` values of `res[j]` to row `t0 + j`, columns `col..col + width`.
+    ///
+    /// # Safety
+    /// Those elements lie inside the output, and no other thread reads or writes them until the
+    /// pool call that hands out this tile returns; `width <= W`.
+    pub(crate) unsafe fn store_tile<const W: usize>(
+        self,
+        stride: usize,
+        t0: usize,
+        col: usize,
+        res: &[[f32; W]],
+        width: usize,
+    ) {
+        for (j, r) in res.iter().enumerate() {
+            std::ptr::copy_nonoverlapping(r.as_ptr(), self.0.add((t0 + j) * stride + col), width);
+        }
+    }
+}
+
 /// Deterministic test floats in [-2, 2) (an LCG), for the kernel tests.
 #[cfg(test)]
 pub(crate) fn test_floats(n: usize, seed: u32) -> Vec<f32> {

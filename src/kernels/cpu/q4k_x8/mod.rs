@@ -215,15 +215,10 @@ pub fn matmul(
             let a = &xq[t0 * a_row..(t0 + m) * a_row];
             let mut res = [[0f32; 2 * GROUP]; 4];
             dot_unit(nb, w, k * GROUP, a, a_row, m, pair, &mut res);
-            for (j, r) in res[..m].iter().enumerate() {
-                // SAFETY: t0 + j < n and (g + k) * 8 <= rows, so the 8k elements at
-                // (t0 + j) * rows + g * 8 are inside `out` (n * rows); the unit's groups belong
-                // to this chunk only, so no other thread writes them.
-                unsafe {
-                    let o = dst.ptr().add((t0 + j) * rows + g * GROUP);
-                    std::ptr::copy_nonoverlapping(r.as_ptr(), o, k * GROUP);
-                }
-            }
+            // SAFETY: rows t0..t0 + m < n and columns g * 8..(g + k) * 8 <= rows are inside
+            // `out` (n * rows); the unit's groups belong to this chunk only, so no other thread
+            // writes them.
+            unsafe { dst.store_tile(rows, t0, g * GROUP, &res[..m], k * GROUP) };
         };
         let units = || {
             range

@@ -148,15 +148,9 @@ pub fn matmul(
                         m,
                         &mut res,
                     );
-                    for (j, r) in res[..m].iter().enumerate() {
-                        // SAFETY: t0 + j < n and g * 8 + 16 <= rows, so the 16 elements at
-                        // (t0 + j) * rows + g * 8 are inside `out`; groups g, g + 1 belong to
-                        // this chunk only.
-                        unsafe {
-                            let o = dst.ptr().add((t0 + j) * rows + g * GROUP);
-                            std::ptr::copy_nonoverlapping(r.as_ptr(), o, WIDE);
-                        }
-                    }
+                    // SAFETY: rows t0..t0 + m < n and columns g * 8..g * 8 + 16 <= rows are
+                    // inside `out`; groups g, g + 1 belong to this chunk only.
+                    unsafe { dst.store_tile(rows, t0, g * GROUP, &res[..m], WIDE) };
                 }
                 continue;
             }
@@ -177,14 +171,9 @@ pub fn matmul(
                     m,
                     &mut res,
                 );
-                for (j, r) in res[..m].iter().enumerate() {
-                    // SAFETY: t0 + j < n and g * 8 + 8 <= rows, so the 8 elements at
-                    // (t0 + j) * rows + g * 8 are inside `out`; group g belongs to this chunk only.
-                    unsafe {
-                        let o = dst.ptr().add((t0 + j) * rows + g * GROUP);
-                        std::ptr::copy_nonoverlapping(r.as_ptr(), o, GROUP);
-                    }
-                }
+                // SAFETY: rows t0..t0 + m < n and columns g * 8..g * 8 + 8 <= rows are inside
+                // `out`; group g belongs to this chunk only.
+                unsafe { dst.store_tile(rows, t0, g * GROUP, &res[..m], GROUP) };
             }
         }
     });

@@ -172,14 +172,9 @@ pub fn matmul(
                     m,
                     &mut res,
                 );
-                for (j, r) in res[..m].iter().enumerate() {
-                    // SAFETY: t0 + j < n and g * 4 + 4 <= rows, so the 4 elements at
-                    // (t0 + j) * rows + g * 4 are inside `out`; group g is this chunk's only.
-                    unsafe {
-                        let o = dst.ptr().add((t0 + j) * rows + g * GROUP);
-                        std::ptr::copy_nonoverlapping(r.as_ptr(), o, GROUP);
-                    }
-                }
+                // SAFETY: rows t0..t0 + m < n and columns g * 4..g * 4 + 4 <= rows are inside
+                // `out`; group g is this chunk's only.
+                unsafe { dst.store_tile(rows, t0, g * GROUP, &res[..m], GROUP) };
                 t0 += m;
             }
         }
@@ -284,14 +279,9 @@ fn matmul_avx512_panels(
                         &mut res,
                     )
                 };
-                for (j, r) in res[..m].iter().enumerate() {
-                    // SAFETY: t0 + j < n and g * 4 + 4 <= rows, so the 4 elements at
-                    // (t0 + j) * rows + g * 4 are inside `out`; group g is this chunk's only.
-                    unsafe {
-                        let o = dst.ptr().add((t0 + j) * rows + g * GROUP);
-                        std::ptr::copy_nonoverlapping(r.as_ptr(), o, GROUP);
-                    }
-                }
+                // SAFETY: rows t0..t0 + m < n and columns g * 4..g * 4 + 4 <= rows are inside
+                // `out`; group g is this chunk's only.
+                unsafe { dst.store_tile(rows, t0, g * GROUP, &res[..m], GROUP) };
                 t0 += m;
             }
         }
