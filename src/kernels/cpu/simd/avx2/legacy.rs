@@ -175,14 +175,15 @@ pub(crate) unsafe fn signed_q8_0_wrows4(
         _mm256_fmadd_ps(_mm256_mul_ps(f16_bcast(x), da), q, acc)
     };
     // The four rows are one contiguous run of `4 * row_bytes` bytes, short streams the hardware
-    // prefetcher does not pick up: each step prefetches the matching part of the next run.
+    // prefetcher does not pick up: each step prefetches the matching part of the next run, into
+    // L2 (T1: a few percent faster decode than into L1 on the development machine).
     let lines = (4 * wbytes).div_ceil(64);
     let mut x = w;
     let mut ya = a;
     for b in 0..nb {
         let pf = w.wrapping_add(4 * row_bytes + b * 4 * wbytes);
         for l in 0..lines {
-            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * l).cast());
+            _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(64 * l).cast());
         }
         let (ay, da) = (ld(ya.add(2)), f16_bcast(ya));
         c0 = step(x, ay, da, c0);

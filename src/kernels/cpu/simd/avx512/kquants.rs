@@ -167,7 +167,7 @@ unsafe fn q6k_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, ou
     for b in 0..nb {
         let pf = w.wrapping_add(4 * row_bytes + b * 4 * BlockQ6K::BYTES);
         for l in 0..lines {
-            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * l).cast());
+            _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(64 * l).cast());
         }
         let ya = a.add(b * A_BYTES);
         let da = _mm256_set1_ps(rd_f32(ya));
