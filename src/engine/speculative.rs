@@ -205,8 +205,11 @@ impl Speculator {
                 std::thread::scope(|s| {
                     let ahead = s.spawn(|| m.draft_ahead(&history, n, vocab, ds));
                     let rows = runner.compute_all(seq);
-                    // A failed draft-ahead only means the next step drafts as usual.
-                    let _ = ahead.join();
+                    // A failed draft-ahead (an error) only means the next step drafts as usual;
+                    // a panic there is a bug and carries on here.
+                    if let Err(panic) = ahead.join() {
+                        std::panic::resume_unwind(panic);
+                    }
                     rows
                 })
             }
