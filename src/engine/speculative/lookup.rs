@@ -34,8 +34,7 @@ impl PromptLookup {
         if let Some((then, from)) = self.source {
             // The source's position for the next token if everything appended since copied it.
             let next = from + len.saturating_sub(then);
-            let grew = len > then && then > from;
-            if grew && next < len && history[from..next] == history[then..len] {
+            if len > then && next < len && history[from..next] == history[then..len] {
                 let take = max.min(len - next);
                 self.source = Some((len, next));
                 return history[next..next + take].to_vec();

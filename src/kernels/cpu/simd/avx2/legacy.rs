@@ -151,8 +151,7 @@ unsafe fn signed_q8_0_rows<const M: usize>(
 /// As [`signed_q8_0_rows`], with four weight rows of `nb` blocks at `w + r * row_bytes` and one
 /// activation row; `out` has four slots.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn signed_q8_0_wrows4(
+unsafe fn signed_q8_0_wrows4(
     nb: usize,
     w: *const u8,
     wbytes: usize,
@@ -160,7 +159,6 @@ pub(crate) unsafe fn signed_q8_0_wrows4(
     a: *const u8,
     out: *mut f32,
     unpack: impl Fn(*const u8) -> __m256i,
-    mul_sum: impl Fn(__m256i, __m256i) -> __m256i,
 ) {
     let (mut c0, mut c1, mut c2, mut c3) = (
         _mm256_setzero_ps(),
@@ -171,7 +169,7 @@ pub(crate) unsafe fn signed_q8_0_wrows4(
     let step = |x: *const u8, ay: __m256i, da: __m256, acc: __m256| {
         let qx = unpack(x);
         let ax = _mm256_sign_epi8(qx, qx);
-        let q = _mm256_cvtepi32_ps(mul_sum(ax, _mm256_sign_epi8(ay, qx)));
+        let q = _mm256_cvtepi32_ps(mul_sum_us8(ax, _mm256_sign_epi8(ay, qx)));
         _mm256_fmadd_ps(_mm256_mul_ps(f16_bcast(x), da), q, acc)
     };
     // The four rows are one contiguous run of `4 * row_bytes` bytes, short streams the hardware
@@ -207,16 +205,7 @@ pub(crate) unsafe fn signed_q8_0_wrows4(
 unsafe fn q8_0_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, out: *mut f32) {
     // SAFETY (of the closure's read): `x` is a block pointer, whose 32 quants sit at 2..34.
     let unpack = |x: *const u8| ld(x.add(2));
-    signed_q8_0_wrows4(
-        nb,
-        w,
-        BlockQ8_0::BYTES,
-        row_bytes,
-        a,
-        out,
-        unpack,
-        |u, s| mul_sum_us8(u, s),
-    );
+    signed_q8_0_wrows4(nb, w, BlockQ8_0::BYTES, row_bytes, a, out, unpack);
 }
 
 /// Q5_0: four weight rows against one activation row ([`signed_q8_0_wrows4`]).
@@ -230,16 +219,7 @@ unsafe fn q5_0_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, o
         let hi = _mm256_andnot_si256(bytes_from_bits_32(x.add(2)), _mm256_set1_epi8(-16));
         _mm256_or_si256(bytes_from_nibbles_32(x.add(6)), hi)
     };
-    signed_q8_0_wrows4(
-        nb,
-        w,
-        BlockQ5_0::BYTES,
-        row_bytes,
-        a,
-        out,
-        unpack,
-        |u, s| mul_sum_us8(u, s),
-    );
+    signed_q8_0_wrows4(nb, w, BlockQ5_0::BYTES, row_bytes, a, out, unpack);
 }
 
 wrows_entry!(
@@ -264,7 +244,7 @@ wrows_entry!(
 /// # Safety
 /// As [`q4_0_rows`], with Q8_0 weight blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn q8_0_rows<const M: usize>(
+unsafe fn q8_0_rows<const M: usize>(
     nb: usize,
     w: *const u8,
     a: *const u8,
@@ -281,7 +261,7 @@ pub(crate) unsafe fn q8_0_rows<const M: usize>(
 /// # Safety
 /// As [`q4_0_rows`], with Q5_0 weight blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn q5_0_rows<const M: usize>(
+unsafe fn q5_0_rows<const M: usize>(
     nb: usize,
     w: *const u8,
     a: *const u8,

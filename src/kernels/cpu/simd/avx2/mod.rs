@@ -18,7 +18,7 @@ use crate::format::GgmlType;
 
 mod float;
 pub(crate) mod kquants;
-pub(crate) mod legacy;
+mod legacy;
 
 /// Whether this CPU has everything the AVX2 kernels use (std caches the CPUID probe).
 pub(super) fn detected() -> bool {
