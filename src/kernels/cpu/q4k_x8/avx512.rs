@@ -73,6 +73,7 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
     out: &mut [[f32; R]; 4],
 ) {
     let m4 = _mm512_set1_epi8(0xF);
+    let mf0 = _mm512_set1_epi8(0xF0u8 as i8);
     let c63 = _mm512_set1_epi8(63);
     let cc0 = _mm512_set1_epi8(0xC0u8 as i8);
     let mut acc = [_mm512_setzero_ps(); M];
@@ -140,7 +141,9 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
             for s in 0..8 {
                 let bits = ld(16 * R + 32 * R * p + 4 * R * s);
                 let lo = _mm512_and_si512(bits, m4);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(bits), m4);
+                // The high nibbles stay in place (16·q): `vpdpbusd` does not saturate, so the
+                // sums are exactly 16 times the nibbles' and one shift per pair replaces eight.
+                let hi = _mm512_and_si512(bits, mf0);
                 for r in 0..M {
                     let y = a.add(r * stride + b * A_BYTES + 4 + 64 * p + 4 * s);
                     alo[r] = _mm512_dpbusd_epi32(alo[r], lo, bcast32x16(y));
@@ -148,16 +151,27 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
                 }
             }
             let (s0, s1, mv) = (scale(2 * p), scale(2 * p + 1), mins(p));
-            for r in 0..M {
-                let isum = _mm512_add_epi32(
-                    _mm512_mullo_epi32(alo[r], s0),
-                    _mm512_mullo_epi32(ahi[r], s1),
-                );
-                let imin = _mm512_madd_epi16(mv, _mm512_set1_epi32(bsp[r][p]));
-                if PAIR {
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd[r], acc[r]);
+            if PAIR {
+                // The pair's sum in floats, exactly: |alo|, |ahi| ≤ 32·15·128 and the scales
+                // are below 64, so every product and the sum are integers below 2^24, and
+                // `16·ahi · (s1 / 16)` is exact too. This is the integer the GEMV flavour forms,
+                // on the ports the float units share instead of two-µop `vpmulld`s.
+                let f0 = _mm512_cvtepi32_ps(s0);
+                let f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(1.0 / 16.0));
+                for r in 0..M {
+                    let lo = _mm512_mul_ps(_mm512_cvtepi32_ps(alo[r]), f0);
+                    let isum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ahi[r]), f1, lo);
+                    let imin = _mm512_madd_epi16(mv, _mm512_set1_epi32(bsp[r][p]));
+                    acc[r] = _mm512_fmadd_ps(isum, dd[r], acc[r]);
                     accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), dm[r], accm[r]);
-                } else {
+                }
+            } else {
+                for r in 0..M {
+                    let isum = _mm512_add_epi32(
+                        _mm512_mullo_epi32(alo[r], s0),
+                        _mm512_mullo_epi32(_mm512_srai_epi32::<4>(ahi[r]), s1),
+                    );
+                    let imin = _mm512_madd_epi16(mv, _mm512_set1_epi32(bsp[r][p]));
                     isum_t[r] = _mm512_add_epi32(isum_t[r], isum);
                     imin_t[r] = _mm512_add_epi32(imin_t[r], imin);
                 }
