@@ -182,7 +182,7 @@ fn kl_divergence_matches_independent_sum() {
         ..Sequence::default()
     };
     let rows = runner.compute_all(&mut seq).unwrap();
-    let (mut kls, mut same, mut base_nll) = (Vec::new(), 0usize, Vec::new());
+    let (mut kls, mut same, mut base_nll, mut diffs) = (Vec::new(), 0usize, Vec::new(), Vec::new());
     for p in ctx / 2..=ctx - 2 {
         let (lb, lm) = (log_probs(&ref_logits[p]), log_probs(&rows[p]));
         kls.push(
@@ -193,6 +193,7 @@ fn kl_divergence_matches_independent_sum() {
         );
         same += (common::argmax(&ref_logits[p]) == common::argmax(&rows[p])) as usize;
         base_nll.push(-lb[ids[p + 1] as usize]);
+        diffs.push(lb[ids[p + 1] as usize] - lm[ids[p + 1] as usize]);
     }
     let (kl, kl_err) = mean_err(&kls);
     let top1 = same as f64 / kls.len() as f64;
@@ -228,6 +229,19 @@ fn kl_divergence_matches_independent_sum() {
         1e-4,
         "base perplexity",
     );
+    // the paired comparison: mean of nll(model) - nll(base) per token, and its standard error
+    let (ln_ratio, ln_ratio_err) = mean_err(&diffs);
+    assert!(
+        (k["ln_ppl_ratio"].as_f64().unwrap() - ln_ratio).abs() < 1e-3,
+        "ln(PPL / base PPL) {} vs {ln_ratio}",
+        k["ln_ppl_ratio"]
+    );
+    close(
+        k["ln_ppl_ratio_err"].as_f64().unwrap(),
+        ln_ratio_err,
+        5e-2,
+        "ln ratio standard error",
+    );
 
     // a model against itself: no divergence, always the same first token
     let j = perplexity_json(&[
@@ -245,6 +259,7 @@ fn kl_divergence_matches_independent_sum() {
     assert!(j["kl"]["mean"].as_f64().unwrap().abs() < 1e-9);
     assert_eq!(j["kl"]["top1"].as_f64().unwrap(), 1.0);
     assert_eq!(j["ppl"], j["kl"]["base_ppl"]);
+    assert_eq!(j["kl"]["ln_ppl_ratio"].as_f64().unwrap(), 0.0);
 }
 
 #[test]

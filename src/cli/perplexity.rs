@@ -144,6 +144,8 @@ fn json(r: &Report) -> serde_json::Value {
             "top1_err": k.top1_err,
             "base_ppl": k.base_ppl,
             "base_ppl_err": k.base_ppl_err,
+            "ln_ppl_ratio": k.ln_ratio,
+            "ln_ppl_ratio_err": k.ln_ratio_err,
         });
     }
     v
@@ -156,8 +158,8 @@ fn text_report(r: &Report) -> String {
     );
     if let Some(k) = &r.kl {
         s += &format!(
-            "base PPL = {:.4} +/- {:.5}\nmean KL(base || model) = {:.6} +/- {:.6}  (median {:.6}, 99th percentile {:.6}, max {:.6})\nsame top-1 token = {:.3} +/- {:.3} %\n",
-            k.base_ppl, k.base_ppl_err, k.mean, k.err, k.median, k.p99, k.max, 100.0 * k.top1, 100.0 * k.top1_err
+            "base PPL = {:.4} +/- {:.5}\nln(PPL / base PPL) = {:.5} +/- {:.5}  (paired; PPL / base PPL = {:.4})\nmean KL(base || model) = {:.6} +/- {:.6}  (median {:.6}, 99th percentile {:.6}, max {:.6})\nsame top-1 token = {:.3} +/- {:.3} %\n",
+            k.base_ppl, k.base_ppl_err, k.ln_ratio, k.ln_ratio_err, k.ln_ratio.exp(), k.mean, k.err, k.median, k.p99, k.max, 100.0 * k.top1, 100.0 * k.top1_err
         );
     }
     s

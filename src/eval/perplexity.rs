@@ -129,6 +129,10 @@ pub struct KlReport {
     pub top1_err: f64,
     pub base_ppl: f64,
     pub base_ppl_err: f64,
+    /// Mean of `nll(model) - nll(base)` per scored token, `ln(PPL / base PPL)`, and its standard
+    /// error: the paired comparison, far tighter than the two perplexities' own errors.
+    pub ln_ratio: f64,
+    pub ln_ratio_err: f64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -181,7 +185,8 @@ pub fn evaluate<B: Backend, C: Backend>(
     let first = first_scored(o.ctx);
     let mut ev = Evaluator::new(model, o.ctx)?;
     let mut base_ev = base.map(|b| Evaluator::new(b, o.ctx)).transpose()?;
-    let (mut nll, mut base_nll, mut kl, mut same) = (
+    let (mut nll, mut base_nll, mut kl, mut same, mut diff) = (
+        Mean::default(),
         Mean::default(),
         Mean::default(),
         Mean::default(),
@@ -202,6 +207,7 @@ pub fn evaluate<B: Backend, C: Backend>(
                 nll.add(s.nll);
                 if let Some(b) = s.base {
                     base_nll.add(b.nll);
+                    diff.add(s.nll - b.nll);
                     kl.add(b.kl);
                     kls.push(b.kl);
                     same.add(if b.same_top1 { 1.0 } else { 0.0 });
@@ -230,6 +236,8 @@ pub fn evaluate<B: Backend, C: Backend>(
             top1_err: same.stderr(),
             base_ppl,
             base_ppl_err: base_nll.stderr() * base_ppl,
+            ln_ratio: diff.mean(),
+            ln_ratio_err: diff.stderr(),
         }
     });
     Ok(Report {
