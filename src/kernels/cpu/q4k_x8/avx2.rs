@@ -13,6 +13,12 @@ use crate::kernels::cpu::simd::avx2::{bcast32, ld};
 
 use super::{A_BYTES, BLOCK_BYTES, GROUP};
 
+/// How far ahead decode prefetches, in bytes (eight blocks: the AVX-512 kernel's distance).
+const PREFETCH: usize = 8 * BLOCK_BYTES;
+/// Cache lines of one block (18, of its 32 steps).
+const LINES: usize = BLOCK_BYTES / 64;
+const _: () = assert!(LINES <= 32);
+
 /// Eight bytes at `p` as 16 i16 `(b0, b0, b1, b1, ..)`: the scale of weight row `c` in both
 /// words of dword `c`, for `vpmaddwd`.
 #[inline]
@@ -123,6 +129,14 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
             let mut ahi = [_mm256_setzero_si256(); M];
             let wq = x.add(128 + 256 * p);
             for s in 0..8 {
+                let l = 8 * p + s;
+                if M == 1 && l < LINES {
+                    // Decode streams the packed weights once: prefetch into L2 eight blocks
+                    // ahead, one line per step, spread over the block's arithmetic (see the
+                    // AVX-512 kernel; a burst stalls on the core's miss buffers).
+                    _mm_prefetch::<_MM_HINT_T1>(x.wrapping_add(PREFETCH + 64 * l).cast());
+                    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+                }
                 let bits = ld(wq.add(32 * s));
                 let lo = _mm256_and_si256(bits, m4);
                 let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(bits), m4);
