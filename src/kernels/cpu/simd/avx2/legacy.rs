@@ -173,13 +173,15 @@ unsafe fn signed_q8_0_wrows4(
         _mm256_fmadd_ps(_mm256_mul_ps(f16_bcast(x), da), q, acc)
     };
     // The four rows are one contiguous run of `4 * row_bytes` bytes, short streams the hardware
-    // prefetcher does not pick up: each step prefetches the matching part of the next run, into
-    // L2 (T1: a few percent faster decode than into L1 on the development machine).
+    // prefetcher does not pick up: each step prefetches the matching part of the run after the
+    // next, into L2 (T1: a few percent faster decode than into L1 on the development machine;
+    // two runs ahead rather than one: Gemma-3-270M's Q5_0 decode matmuls 14.1 → 15.7-16.1 GB/s,
+    // its Q8_0 head 20.2 → 20.6 GB/s; four runs ahead: the same as two).
     let lines = (4 * wbytes).div_ceil(64);
     let mut x = w;
     let mut ya = a;
     for b in 0..nb {
-        let pf = w.wrapping_add(4 * row_bytes + b * 4 * wbytes);
+        let pf = w.wrapping_add(8 * row_bytes + b * 4 * wbytes);
         for l in 0..lines {
             _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(64 * l).cast());
         }
