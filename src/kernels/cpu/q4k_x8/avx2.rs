@@ -130,8 +130,9 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
             let wq = x.add(128 + 256 * p);
             for s in 0..8 {
                 let l = 8 * p + s;
-                if M == 1 && l < LINES {
-                    // Decode streams the packed weights once: prefetch into L2 eight blocks
+                if !PAIR && l < LINES {
+                    // The GEMV flavour (decode, row-invariant verify) streams the packed
+                    // weights once: prefetch into L2 eight blocks
                     // ahead, one line per step, spread over the block's arithmetic (see the
                     // AVX-512 kernel; a burst stalls on the core's miss buffers).
                     _mm_prefetch::<_MM_HINT_T1>(x.wrapping_add(PREFETCH + 64 * l).cast());
