@@ -132,9 +132,9 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
                 let l = 8 * p + s;
                 if !PAIR && l < LINES {
                     // The GEMV flavour (decode, row-invariant verify) streams the packed
-                    // weights once: prefetch into L2 eight blocks
-                    // ahead, one line per step, spread over the block's arithmetic (see the
-                    // AVX-512 kernel; a burst stalls on the core's miss buffers).
+                    // weights once: prefetch into L2 eight blocks ahead, one line per step,
+                    // spread over the block's arithmetic (see the AVX-512 kernel: a burst
+                    // stalls on the core's miss buffers).
                     _mm_prefetch::<_MM_HINT_T1>(x.wrapping_add(PREFETCH + 64 * l).cast());
                     std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
                 }

@@ -4,10 +4,11 @@
 //! One 64-byte load holds the same four columns of sixteen weight rows; its low and high nibbles
 //! meet four activation bytes broadcast to all lanes through `vpdpbusd`, which adds the four
 //! products straight into the i32 lane of each weight row, so after the eight steps of a
-//! sub-block every lane holds that row's exact sub-block sum. Multiplying by the rows' 6-bit
-//! scales (`vpmulld`) gives the same exact integers the AVX2 kernel builds with
-//! `vpmaddubsw`/`vpmaddwd`, and the float steps are the same lane-wise operations, so every output
-//! is bit-identical to the AVX2 kernel and the scalar twin.
+//! sub-block every lane holds that row's exact sub-block sum (the high nibbles' sum times 16, as
+//! they stay in place). Multiplying by the rows' 6-bit scales (`vpmulld` in the GEMV flavour,
+//! exact float products below 2^24 in the GEMM one) gives the same exact values the AVX2 kernel
+//! builds with `vpmaddubsw`/`vpmaddwd`, and the float steps are the same lane-wise operations, so
+//! every output is bit-identical to the AVX2 kernel and the scalar twin.
 
 use std::arch::x86_64::*;
 
