@@ -3,7 +3,7 @@
 //! Loads a real GGUF (default: the Qwen model `scripts/fetch-models.sh` fetches) on the CPU backend
 //! and, interleaved over repetitions, times: the machine's read bandwidth (as `infer bench`), every
 //! weight matrix of one decode step multiplied by a one-row activation in model order (the matmuls
-//! alone, per weight type), and a whole decode step at a short context. It prints the best of the repetitions
+//! alone, per weight type and per shape), and a whole decode step at a short context. It prints the best of the repetitions
 //! (the machine is shared: noise only ever adds time, so the best is the steadiest figure), the
 //! matmuls' GB/s against the bandwidth, the share of the step that is not matmul, and what a
 //! row-invariant forward over k tokens (a speculative verify) costs in decode steps.
@@ -80,10 +80,11 @@ fn main() {
     let (mut bw, mut mm, mut step) = (vec![], vec![], vec![]);
     let mut per_type: BTreeMap<String, (usize, usize, Vec<f64>)> = BTreeMap::new();
     let mut total_bytes = 0;
+    let mut shapes: Shapes = BTreeMap::new();
     let buf = BandwidthBuffer::new(1 << 30);
     for rep in 0..REPS + 1 {
         let b = buf.read_once(&runner.model.backend.pool);
-        let (m, types) = matmul_pass(&runner);
+        let (m, types, sh) = matmul_pass(&runner);
         let t = Instant::now();
         runner.extend(&mut seq, &[5]).expect("decode step");
         let s = t.elapsed().as_secs_f64();
@@ -95,6 +96,10 @@ fn main() {
             mm.push(m);
             step.push(s);
             total_bytes = 0;
+            for (k, (n, bytes, t)) in sh {
+                let e = shapes.entry(k).or_insert((n, bytes, f64::INFINITY));
+                e.2 = e.2.min(t);
+            }
             for (name, bytes, n, t) in types {
                 total_bytes += bytes;
                 let e = per_type.entry(name).or_default();
@@ -124,6 +129,13 @@ fn main() {
             t * 1e3,
             gb(bytes),
             gb(bytes) / t
+        );
+    }
+    for ((ty, rows, cols), (n, bytes, t)) in &shapes {
+        println!(
+            "    {ty:<6} {rows:>6}x{cols:<5} x{n:<3}  {:8.1} us each       {:6.1} GB/s",
+            t / *n as f64 * 1e6,
+            (bytes * n) as f64 / t / 1e9
         );
     }
     println!(
@@ -159,7 +171,7 @@ fn verify_costs(runner: &mut Runner<CpuBackend>, seq: &mut Sequence, step: f64) 
 
 /// Times every matmul of one step (1-row activations) in model order, then each weight type's
 /// matrices on their own: (whole pass seconds, [(type, bytes, matrices, seconds)]).
-fn matmul_pass(runner: &Runner<CpuBackend>) -> (f64, Vec<(String, usize, usize, f64)>) {
+fn matmul_pass(runner: &Runner<CpuBackend>) -> (f64, Vec<PerType>, Shapes) {
     let be = &runner.model.backend;
     let ws = step_weights(&runner.model.weights);
     let maxc = ws.iter().map(|w| w.cols).max().unwrap_or(1);
@@ -176,6 +188,19 @@ fn matmul_pass(runner: &Runner<CpuBackend>) -> (f64, Vec<(String, usize, usize, 
         .collect();
     let mut outs: BTreeMap<usize, CpuAct> =
         ws.iter().map(|w| (w.rows, be.act(1, w.rows))).collect();
+    // The whole pass, each matmul timed on its own too (per weight type and shape).
+    let mut shapes: Shapes = BTreeMap::new();
+    let t0 = Instant::now();
+    for w in &ws {
+        let o = outs.get_mut(&w.rows).expect("an output per row count");
+        let t = Instant::now();
+        be.matmul(w, &xs[&w.cols], None, o);
+        let e = shapes
+            .entry((w.ty.name().to_string(), w.rows, w.cols))
+            .or_default();
+        (e.0, e.1, e.2) = (e.0 + 1, w.bytes().len(), e.2 + t.elapsed().as_secs_f64());
+    }
+    let whole = t0.elapsed().as_secs_f64();
     let mut run = |list: &[&CpuWeight]| {
         let t = Instant::now();
         for w in list {
@@ -184,7 +209,6 @@ fn matmul_pass(runner: &Runner<CpuBackend>) -> (f64, Vec<(String, usize, usize, 
         }
         t.elapsed().as_secs_f64()
     };
-    let whole = run(&ws);
     let mut types: BTreeMap<&str, Vec<&CpuWeight>> = BTreeMap::new();
     for w in &ws {
         types.entry(w.ty.name()).or_default().push(w);
@@ -196,5 +220,11 @@ fn matmul_pass(runner: &Runner<CpuBackend>) -> (f64, Vec<(String, usize, usize, 
             (name.to_string(), bytes, list.len(), run(&list))
         })
         .collect();
-    (whole, per)
+    (whole, per, shapes)
 }
+
+/// One weight type's matrices timed on their own: (type, bytes, matrices, seconds).
+type PerType = (String, usize, usize, f64);
+
+/// Per (type, rows, cols): (matrices, bytes of one, seconds of all of them in the pass).
+type Shapes = BTreeMap<(String, usize, usize), (usize, usize, f64)>;

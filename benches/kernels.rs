@@ -13,7 +13,8 @@
 //! decoding a real model does (memory-bound). Each figure is the best of several timed repetitions.
 //!
 //! Then the whole-matrix paths the engine uses for that type (`x8 matmul`, `panel matmul`,
-//! `dot_rows`), single-threaded, with the same GB/s and GOP/s columns.
+//! `dot_rows`), single-threaded, with the same GB/s and GOP/s columns; for Q4_K also the x8 GEMV
+//! streaming 256 MiB on 4 KiB and on 2 MiB pages, with one and two threads.
 //!
 //! Run: `cargo bench --bench kernels [-- TYPE...]` (types by ggml name, e.g. `q4_K q6_K`; default:
 //! all types with a kernel). `INFER_SIMD` does not apply: every available level is measured.
@@ -277,6 +278,7 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
                 });
                 report(&format!("x8 matmul m{m}"), d, t, m, base(m));
             }
+            cold_gemv(&packed, rows, d, budget);
         }
         GgmlType::Q6K => {
             decode_rows_line(ty, d, budget, sdot);
@@ -304,6 +306,40 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
             }
         }
         _ => {}
+    }
+}
+
+/// The x8 GEMV streaming a packed matrix far larger than the caches (copies of `packed`), on
+/// ordinary and on huge pages, with one and with two threads.
+fn cold_gemv(packed: &[u8], rows: usize, d: &Data, budget: Duration) {
+    use infer::kernels::cpu::{hugebuf::HugeBuf, pool::ThreadPool, q4k_x8};
+    let copies = COLD_BYTES / packed.len();
+    let big_rows = rows * copies;
+    let mut huge = HugeBuf::zeroed(copies * packed.len());
+    // Every 64-byte line made distinct (the hypervisor may merge identical pages, which would
+    // then be served from a cache): the sums are meaningless, the bytes read are what counts.
+    for (i, c) in huge.chunks_exact_mut(packed.len()).enumerate() {
+        c.copy_from_slice(packed);
+        for (j, line) in c.chunks_exact_mut(64).enumerate() {
+            line[63] ^= (i * 31 + j) as u8;
+            line[62] ^= (i >> 3) as u8;
+        }
+    }
+    let small: Vec<u8> = huge.to_vec();
+    let xq = d.acts[..d.act_bytes].to_vec();
+    let mut out = vec![0f32; big_rows];
+    for threads in [1, 2] {
+        let pool = ThreadPool::new(threads);
+        for (name, w) in [("4k pages", &small[..]), ("huge pages", &huge[..])] {
+            let t = best(budget * 2, || {
+                q4k_x8::matmul(&pool, w, big_rows, COLS, &xq, 1, true, &mut out);
+                black_box(&out);
+            });
+            println!(
+                "  x8 gemv cold, {threads} thr, {name:<10} {:7.2} GB/s",
+                w.len() as f64 / t.as_secs_f64() / 1e9
+            );
+        }
     }
 }
 

@@ -13,10 +13,12 @@ use half::slice::HalfFloatSliceExt;
 use crate::format::{GgmlType, Gguf};
 use crate::kernels::cpu::attention;
 use crate::kernels::cpu::attention_f32::{self, KvF32};
+use crate::kernels::cpu::hugebuf::HugeBuf;
 use crate::kernels::cpu::matmul;
 use crate::kernels::cpu::ops;
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::q4k_x8;
+use crate::kernels::cpu::q6k_x4;
 use crate::model::backend::{
     AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
 };
@@ -32,9 +34,10 @@ pub struct CpuWeight {
     pub row_bytes: usize,
     /// Where the matrix starts in the tensor's data (a row range of a fused or stacked tensor).
     offset: usize,
-    /// The x8-repacked copy of a Q4_K matrix, built on its first matmul (`q4k_x8`); embedding
-    /// tables are read from the file and never packed.
-    packed: OnceLock<Vec<u8>>,
+    /// The repacked copy a matmul reads instead of the file's bytes: the x8 layout of a Q4_K
+    /// matrix (`q4k_x8`, every matmul) or the x4 layout of a Q6_K one (`q6k_x4`, decode only),
+    /// built at load or on first use; embedding lookups always read the file.
+    packed: OnceLock<HugeBuf>,
 }
 
 impl CpuWeight {
@@ -51,6 +54,21 @@ impl CpuWeight {
         Some(
             self.packed
                 .get_or_init(|| q4k_x8::pack(pool, self.bytes(), self.rows, self.cols)),
+        )
+    }
+
+    /// The x4-packed Q6_K bytes for decode, packing on first use; `None` for other types and
+    /// shapes, and where this CPU has no x4 kernel.
+    pub fn packed_q6k(&self, pool: &ThreadPool) -> Option<&[u8]> {
+        if self.ty != GgmlType::Q6K
+            || !q6k_x4::packable(self.rows, self.cols)
+            || crate::kernels::cpu::simd::dot_x4(self.ty).is_none()
+        {
+            return None;
+        }
+        Some(
+            self.packed
+                .get_or_init(|| q6k_x4::pack(pool, self.bytes(), self.rows, self.cols)),
         )
     }
 }
@@ -195,10 +213,13 @@ impl Backend for CpuBackend {
             offset,
             packed: OnceLock::new(),
         };
-        // Repack Q4_K matrices now, so that the cost shows in the load time rather than in the
-        // first prompt; an embedding table is only packed if a matmul ever uses it (tied output).
-        if src.name != "token_embd.weight" {
+        // Repack now, so that the cost shows in the load time rather than in the first prompt;
+        // an embedding table only where it is also the output head (no `output.weight`).
+        let lookup_only =
+            src.name == "token_embd.weight" && src.file.tensor("output.weight").is_some();
+        if !lookup_only {
             w.packed_q4k(&self.pool);
+            w.packed_q6k(&self.pool);
         }
         Ok(w)
     }

@@ -137,7 +137,10 @@ fn decode_many(pool: &ThreadPool, jobs: &mut [(&CpuWeight, &mut CpuAct)], xq: &[
         .collect();
     let ws: Vec<&CpuWeight> = jobs.iter().map(|(w, _)| *w).collect();
     // Packing happens here, on the calling thread, not inside the region.
-    let packed: Vec<Option<&[u8]>> = ws.iter().map(|w| w.packed_q4k(pool)).collect();
+    let packed: Vec<Option<&[u8]>> = ws
+        .iter()
+        .map(|w| w.packed_q4k(pool).or_else(|| w.packed_q6k(pool)))
+        .collect();
     pool.for_range(total, 8, |range| {
         for (i, w) in ws.iter().enumerate() {
             let (lo, hi) = (range.start.max(starts[i]), range.end.min(starts[i + 1]));
@@ -158,6 +161,11 @@ fn decode_many(pool: &ThreadPool, jobs: &mut [(&CpuWeight, &mut CpuAct)], xq: &[
 /// [`DECODE_UNIT`]).
 fn decode_rows_of(w: &CpuWeight, packed: Option<&[u8]>, xq: &[u8], r0: usize, out: &mut [f32]) {
     let r1 = r0 + out.len();
+    if let (Some(p), Some(x4)) = (packed, simd::dot_x4(w.ty)) {
+        // The x4 layout: rows r0..r1 are whole groups of four from byte r0 * row_bytes on.
+        x4(w.cols, &p[r0 * w.row_bytes..r1 * w.row_bytes], xq, out);
+        return;
+    }
     if let Some(p) = packed {
         use crate::kernels::cpu::q4k_x8::GROUP;
         let groups = (r0 / GROUP, r1.div_ceil(GROUP));

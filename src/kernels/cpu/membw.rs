@@ -1,27 +1,34 @@
 //! Memory read bandwidth of this machine, measured the way decode reads weights: every thread of the
 //! pool streams its share of a buffer much larger than the caches once. The figure is the roofline that
-//! `infer bench` holds decode speed against.
+//! `infer bench` holds decode speed against. The buffer is a [`HugeBuf`], on 2 MiB pages where the
+//! kernel grants them, as the repacked weights are: in a virtual machine 4 KiB pages read less
+//! (10-25% on the development VM), and the roofline is what the machine can do at best.
 
 use std::time::Instant;
 
+use crate::kernels::cpu::hugebuf::HugeBuf;
 use crate::kernels::cpu::pool::ThreadPool;
 
 /// A buffer for bandwidth runs (`bytes` rounded down to whole 64-byte lines), touched once so its pages
 /// are resident.
 pub struct BandwidthBuffer {
-    data: Vec<u64>,
+    data: HugeBuf,
 }
 
 impl BandwidthBuffer {
     pub fn new(bytes: usize) -> BandwidthBuffer {
-        let n = (bytes / 64).max(1) * 8;
-        BandwidthBuffer {
-            data: (0..n as u64).collect(),
+        let n = (bytes / 64).max(1) * 64;
+        let mut data = HugeBuf::zeroed(n);
+        // Distinct words: pages of equal content could be merged by the host and then served
+        // from a cache.
+        for (i, w) in data.chunks_exact_mut(8).enumerate() {
+            w.copy_from_slice(&(i as u64).to_le_bytes());
         }
+        BandwidthBuffer { data }
     }
 
     pub fn bytes(&self) -> usize {
-        self.data.len() * 8
+        self.data.len()
     }
 
     /// Reads the whole buffer once across the pool; returns bytes per second.
@@ -32,7 +39,7 @@ impl BandwidthBuffer {
             .collect();
         let t0 = Instant::now();
         pool.broadcast(|i, n| {
-            let chunk = data.len().div_ceil(n);
+            let chunk = (data.len() / 8).div_ceil(n) * 8;
             let lo = (i * chunk).min(data.len());
             let hi = ((i + 1) * chunk).min(data.len());
             let s = sum_words(&data[lo..hi]);
@@ -47,7 +54,7 @@ impl BandwidthBuffer {
 /// The wrapping sum of `words`, read the way the decode kernels read weights: with the widest
 /// loads the SIMD level has and software prefetches ahead, so the figure is what those kernels can
 /// reach, not what a plain loop does.
-fn sum_words(words: &[u64]) -> u64 {
+fn sum_words(words: &[u8]) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::cpu::simd::current() >= crate::kernels::cpu::simd::Level::Avx2 {
         // SAFETY: the AVX2 level (or higher) is selected only after AVX2 was detected; the
@@ -55,17 +62,19 @@ fn sum_words(words: &[u64]) -> u64 {
         return unsafe { sum_words_avx2(words) };
     }
     // Eight independent accumulators let the compiler keep several loads in flight.
+    let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("eight bytes"));
     let mut acc = [0u64; 8];
-    let lines = words.chunks_exact(8);
+    let lines = words.chunks_exact(64);
     let tail = lines.remainder();
     for line in lines {
-        for (a, &v) in acc.iter_mut().zip(line) {
-            *a = a.wrapping_add(v);
+        for (a, v) in acc.iter_mut().zip(line.chunks_exact(8)) {
+            *a = a.wrapping_add(word(v));
         }
     }
-    tail.iter()
-        .chain(&acc)
-        .fold(0u64, |x, &y| x.wrapping_add(y))
+    tail.chunks_exact(8)
+        .map(word)
+        .chain(acc)
+        .fold(0u64, |x, y| x.wrapping_add(y))
 }
 
 /// [`sum_words`] with 256-bit loads, four lines per step and prefetches 2 KiB ahead.
@@ -74,10 +83,10 @@ fn sum_words(words: &[u64]) -> u64 {
 /// AVX2 is available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn sum_words_avx2(words: &[u64]) -> u64 {
+unsafe fn sum_words_avx2(words: &[u8]) -> u64 {
     use std::arch::x86_64::*;
-    let p = words.as_ptr().cast::<u8>();
-    let steps = words.len() / 32; // 256 bytes a step
+    let p = words.as_ptr();
+    let steps = words.len() / 256; // 256 bytes a step
     let mut acc = [_mm256_setzero_si256(); 8];
     for k in 0..steps {
         let at = p.add(256 * k);
@@ -93,10 +102,11 @@ unsafe fn sum_words_avx2(words: &[u64]) -> u64 {
         .iter()
         .fold(_mm256_setzero_si256(), |x, &y| _mm256_add_epi64(x, y));
     _mm256_storeu_si256(lanes.as_mut_ptr().cast(), total);
-    words[steps * 32..]
-        .iter()
-        .chain(&lanes)
-        .fold(0u64, |x, &y| x.wrapping_add(y))
+    words[steps * 256..]
+        .chunks_exact(8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("eight bytes")))
+        .chain(lanes)
+        .fold(0u64, |x, y| x.wrapping_add(y))
 }
 
 #[cfg(test)]
@@ -119,7 +129,8 @@ mod tests {
                 .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
                 .collect();
             let want = w.iter().fold(0u64, |x, &y| x.wrapping_add(y));
-            assert_eq!(sum_words(&w), want, "n={n}");
+            let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+            assert_eq!(sum_words(&bytes), want, "n={n}");
         }
     }
 }

@@ -4,11 +4,13 @@
 pub mod attention;
 pub mod attention_f32;
 pub mod backend;
+pub mod hugebuf;
 pub mod matmul;
 pub mod membw;
 pub mod ops;
 pub mod pool;
 pub mod q4k_x8;
+pub mod q6k_x4;
 pub mod q6k_x8;
 pub mod q80_gemm;
 pub mod simd;

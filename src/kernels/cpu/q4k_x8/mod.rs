@@ -33,6 +33,7 @@
 //! kernels (one x8 group, [`dot_group`]) and the AVX-512 ones (one x16 unit, [`dot_pair`]) are
 //! tested against, bit for bit, and what runs on CPUs without AVX2.
 
+use crate::kernels::cpu::hugebuf::HugeBuf;
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::SharedMut;
 use crate::quant::blocks::get_scale_min_k4;
@@ -74,14 +75,14 @@ fn unit_groups(wide: bool, groups: usize, g: usize) -> usize {
 
 /// Repacks a Q4_K matrix (`src`: `rows` rows of `cols / 256` file blocks) into the x8 layout (the
 /// wide one when [`wide`]). Panics unless [`packable`] and `src` has exactly the matrix's bytes.
-pub fn pack(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+pub fn pack(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize) -> HugeBuf {
     assert!(packable(rows, cols), "{rows}x{cols} is not x8-packable");
     let nb = cols / 256;
     let row_bytes = nb * 144;
     assert_eq!(src.len(), rows * row_bytes, "Q4_K matrix bytes");
     let groups = rows / GROUP;
     let group_bytes = nb * BLOCK_BYTES;
-    let mut out = vec![0u8; groups * group_bytes];
+    let mut out = HugeBuf::zeroed(groups * group_bytes);
     let dst = SharedMut(out.as_mut_ptr());
     let wide = wide();
     let step = if wide { 2 } else { 1 };

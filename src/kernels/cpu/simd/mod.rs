@@ -62,12 +62,46 @@ pub type DotRowsFn = fn(n: usize, w: &[u8], row_bytes: usize, a: &[u8], out: &mu
 
 /// The multi-row decode kernel for `ty` at the current level, where one exists.
 pub fn dot_rows(ty: GgmlType) -> Option<DotRowsFn> {
-    match current() {
+    dot_rows_at(current(), ty)
+}
+
+/// [`dot_rows`] at exactly `level` (`None` where this CPU lacks it). For tests and benchmarks.
+pub fn dot_rows_at(level: Level, ty: GgmlType) -> Option<DotRowsFn> {
+    if !level.available() {
+        return None;
+    }
+    match level {
         Level::Scalar => None,
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 => avx2::dot_rows(ty),
         #[cfg(target_arch = "x86_64")]
         Level::Avx512 => avx512::dot_rows(ty).or_else(|| avx2::dot_rows(ty)),
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => None,
+    }
+}
+
+/// `out.len()` weight rows (a multiple of four) stored in the x4 layout (`q6k_x4`: four rows'
+/// blocks interleaved) times one activation row `a`; each output bit-identical to the level's
+/// [`DotRowsFn`] on the same rows in file layout.
+pub type DotX4Fn = fn(n: usize, w: &[u8], a: &[u8], out: &mut [f32]);
+
+/// The decode kernel over x4-layout rows for `ty` at the selected level, if there is one.
+pub fn dot_x4(ty: GgmlType) -> Option<DotX4Fn> {
+    dot_x4_at(current(), ty)
+}
+
+/// [`dot_x4`] at exactly `level` (`None` where this CPU lacks it). For tests and benchmarks.
+pub fn dot_x4_at(level: Level, ty: GgmlType) -> Option<DotX4Fn> {
+    if !level.available() {
+        return None;
+    }
+    match level {
+        Level::Scalar => None,
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => avx2::dot_x4(ty),
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => avx512::dot_x4(ty).or_else(|| avx2::dot_x4(ty)),
         #[cfg(not(target_arch = "x86_64"))]
         _ => None,
     }

@@ -21,7 +21,7 @@ use std::arch::x86_64::*;
 
 use super::{
     entries, f16_bcast, f16x2_at, hsum_float_8, hsum_rows, k4_scales_mins, ld, ld128,
-    prefetch_ahead, rd_f32, rd_u32, wrows_entry,
+    prefetch_ahead, rd_f32, rd_u32, wrows_entry, x4_entry,
 };
 use crate::quant::blocks::{Block, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K};
 
@@ -409,17 +409,38 @@ pub(crate) unsafe fn q6k_block_isums<const M: usize>(
 /// blocks at `a`; `out` has four slots; AVX2, FMA and F16C are present.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6k_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, out: *mut f32) {
+    let strides = (row_bytes, BlockQ6K::BYTES, 4 * row_bytes);
+    q6k_wrows4_at(nb, w, strides, a, out);
+}
+
+/// [`q6k_wrows4`] over four rows whose block `b` of row `r` lies at `w + r * rs + b * bs`
+/// (`(rs, bs, pd)`), prefetching the 4 × 210 bytes at `pd + 840 b` (the same part of the next
+/// four rows, or the run `pd` bytes ahead in the x4 layout), a few lines before each row's block.
+///
+/// # Safety
+/// As [`q6k_wrows4`], with the blocks where `(rs, bs)` put them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_wrows4_at(
+    nb: usize,
+    w: *const u8,
+    (rs, bs, pd): (usize, usize, usize),
+    a: *const u8,
+    out: *mut f32,
+) {
     let mut acc = [_mm256_setzero_ps(); 4];
     let lines = (4 * BlockQ6K::BYTES).div_ceil(64);
     for b in 0..nb {
-        let pf = w.wrapping_add(4 * row_bytes + b * 4 * BlockQ6K::BYTES);
-        for l in 0..lines {
-            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * l).cast());
-        }
+        let pf = w.wrapping_add(pd + b * 4 * BlockQ6K::BYTES);
         let ya = a.add(b * A_BYTES);
         let da = _mm256_set1_ps(rd_f32(ya));
         for (r, ac) in acc.iter_mut().enumerate() {
-            let x = w.add(r * row_bytes + b * BlockQ6K::BYTES);
+            for l in 4 * r..(4 * r + 4).min(lines) {
+                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * l).cast());
+            }
+            // Keeps the compiler from gathering the prefetches back into one burst.
+            std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+            let x = w.add(r * rs + b * bs);
             let [s] = q6k_block_isums::<1>(x, ya, 0);
             let d = _mm256_mul_ps(da, f16_bcast(x.add(208)));
             *ac = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), *ac);
@@ -648,3 +669,5 @@ unsafe fn q2k_rows<const M: usize>(
         *out.add(r) = hsum_float_8(*ac);
     }
 }
+
+x4_entry!(q6k_dot_x4, q6k_wrows4_at, QK, BlockQ6K::BYTES, A_BYTES);

@@ -65,6 +65,18 @@ pub(super) fn dot_rows(ty: GgmlType) -> Option<super::DotRowsFn> {
     }
 }
 
+/// The AVX2 x4-layout decode kernel for `ty` (see [`super::DotX4Fn`]), where one exists and the
+/// CPU has AVX2/FMA/F16C.
+pub(super) fn dot_x4(ty: GgmlType) -> Option<super::DotX4Fn> {
+    if !detected() {
+        return None;
+    }
+    match ty {
+        GgmlType::Q6K => Some(kquants::q6k_dot_x4),
+        _ => None,
+    }
+}
+
 /// The AVX2 Q4_K tile with llama.cpp's repacked-GEMM accumulation (see `kquants`), or `None`
 /// without AVX2/FMA/F16C.
 pub(super) fn q4k_gemm() -> Option<Kernels> {
@@ -210,6 +222,42 @@ macro_rules! wrows_entry {
     };
 }
 pub(crate) use wrows_entry;
+
+/// How far ahead (bytes) the x4-layout decode kernels prefetch into L1: three steps of four
+/// blocks. The layout is one linear stream, and longer distances were slower (see the AVX-512
+/// `q6k_wrows4_at`).
+pub(crate) const X4_AHEAD: usize = 3 * 840;
+
+/// Defines `$name(n, w, a, out)`, the [`super::DotX4Fn`] entry of a level: `out.len()` rows (a
+/// multiple of four) stored in the x4 layout at `w` (groups of four rows, each group's blocks
+/// interleaved row by row: block `b` of row `r` of group `g` at `(4 (g · nb + b) + r) · $wb`)
+/// against one activation row, through `$wrows4_at(nb, w, (rs, bs, pd), a, out)`.
+macro_rules! x4_entry {
+    ($name:ident, $wrows4_at:ident, $elems:expr, $wb:expr, $ab:expr) => {
+        pub(super) fn $name(n: usize, w: &[u8], a: &[u8], out: &mut [f32]) {
+            let r = out.len();
+            assert!(n % $elems == 0 && r % 4 == 0, "{r} rows of {n} values");
+            let nb = n / $elems;
+            let group = 4 * nb * $wb;
+            assert!(w.len() >= r / 4 * group, "weight rows");
+            assert_eq!(
+                a.len(),
+                nb * $ab,
+                "activation row must be exactly {nb} blocks"
+            );
+            let (wp, ap, o) = (w.as_ptr(), a.as_ptr(), out.as_mut_ptr());
+            let strides = ($wb, 4 * $wb, crate::kernels::cpu::simd::avx2::X4_AHEAD);
+            for g in 0..r / 4 {
+                // SAFETY: only the level's `dot_x4()` hands this function out, after checking
+                // the CPU has the level's features; group `g < r / 4` of `nb` interleaved
+                // blocks lies inside `w` and `a` holds one row of `nb` activation blocks (both
+                // checked above); the call writes slots `4g..4g + 4` of `out` only.
+                unsafe { $wrows4_at(nb, wp.add(g * group), strides, ap, o.add(4 * g)) };
+            }
+        }
+    };
+}
+pub(crate) use x4_entry;
 
 // ---- shared helpers: all `#[inline]` + the level's features, so they inline into the kernels ----
 

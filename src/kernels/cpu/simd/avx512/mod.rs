@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 use super::Kernels;
 use crate::format::GgmlType;
 
-pub(crate) use super::avx2::{blocks, entries, rows_dispatch, wrows_entry};
+pub(crate) use super::avx2::{blocks, entries, rows_dispatch, wrows_entry, x4_entry};
 
 pub(crate) mod kquants;
 pub(crate) mod quantize;
@@ -52,6 +52,17 @@ pub(super) fn dot_rows(ty: GgmlType) -> Option<super::DotRowsFn> {
     }
     match ty {
         GgmlType::Q6K => Some(kquants::q6k_dot_rows),
+        _ => None,
+    }
+}
+
+/// The x4-layout decode kernel for `ty` (see [`super::DotX4Fn`]) where one exists at this level.
+pub(super) fn dot_x4(ty: GgmlType) -> Option<super::DotX4Fn> {
+    if !detected() {
+        return None;
+    }
+    match ty {
+        GgmlType::Q6K => Some(kquants::q6k_dot_x4),
         _ => None,
     }
 }
