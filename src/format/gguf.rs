@@ -501,6 +501,35 @@ impl Gguf {
         self.tensors.get(i).filter(|t| t.name == name)
     }
 
+    /// Tells the kernel this process does not need the mapped pages that lie wholly inside `part`
+    /// (a slice of this file's bytes) for now, so they leave its resident set; reading them again
+    /// maps them back from the page cache or the file. For tensor data a caller has copied. A
+    /// no-op for files held in memory, or if the kernel refuses.
+    pub fn release(&self, part: &[u8]) {
+        let Bytes::Mapped(map) = &self.bytes else {
+            return;
+        };
+        let base = map.as_ptr() as usize;
+        let Some(start) = (part.as_ptr() as usize).checked_sub(base) else {
+            return;
+        };
+        let end = start + part.len();
+        if end > map.len() {
+            return;
+        }
+        const PAGE: usize = 4096;
+        let (lo, hi) = (start.div_ceil(PAGE) * PAGE, end / PAGE * PAGE);
+        if lo < hi {
+            // SAFETY: `MADV_DONTNEED` on a read-only private file mapping only drops this
+            // process's page mappings: the map is never written, so there are no private copies to
+            // lose, and a later read maps the same file bytes back (the file must not change while
+            // open, as `open` requires), so no live reference sees different contents.
+            let _ = unsafe {
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, lo, hi - lo)
+            };
+        }
+    }
+
     /// The `size_bytes` bytes of `t`'s data, borrowed from the map.
     ///
     /// # Panics
