@@ -450,22 +450,31 @@ fn dot_rows_equals_dot_bit_for_bit() {
         let (Some(rows_fn), Some(k)) = (dot_rows(ty), kernels(ty)) else {
             continue;
         };
-        let n = 768;
-        let mut w = Vec::new();
-        let mut tmp = Vec::new();
-        for _ in 0..11 {
-            quantize_row(ty, &weight_floats(&mut rng, n), &mut tmp).unwrap();
-            w.extend_from_slice(&tmp);
-        }
-        let rb = tmp.len();
-        let mut a = Vec::new();
-        quantize_activations(ty, &act_floats(&mut rng, n), &mut a).unwrap();
-        for r in [1, 3, 4, 5, 8, 11] {
-            let mut out = vec![f32::NAN; r];
-            rows_fn(n, &w[..r * rb], rb, &a, &mut out);
-            for (i, o) in out.iter().enumerate() {
-                let want = (k.dot)(n, &w[i * rb..(i + 1) * rb], &a);
-                assert_eq!(o.to_bits(), want.to_bits(), "{} r={r} row {i}", ty.name());
+        // An even and an odd block count of 32-value blocks (the AVX-512 kernels take those in
+        // pairs); Q6_K rows are whole 256-value blocks.
+        let ns: &[usize] = if ty == GgmlType::Q6K { &[768] } else { &[768, 800] };
+        for &n in ns {
+            let mut w = Vec::new();
+            let mut tmp = Vec::new();
+            for _ in 0..11 {
+                quantize_row(ty, &weight_floats(&mut rng, n), &mut tmp).unwrap();
+                w.extend_from_slice(&tmp);
+            }
+            let rb = tmp.len();
+            let mut a = Vec::new();
+            quantize_activations(ty, &act_floats(&mut rng, n), &mut a).unwrap();
+            for r in [1, 3, 4, 5, 8, 11] {
+                let mut out = vec![f32::NAN; r];
+                rows_fn(n, &w[..r * rb], rb, &a, &mut out);
+                for (i, o) in out.iter().enumerate() {
+                    let want = (k.dot)(n, &w[i * rb..(i + 1) * rb], &a);
+                    assert_eq!(
+                        o.to_bits(),
+                        want.to_bits(),
+                        "{} n={n} r={r} row {i}",
+                        ty.name()
+                    );
+                }
             }
         }
     }
