@@ -141,7 +141,11 @@ fn decode_many(pool: &ThreadPool, jobs: &mut [(&CpuWeight, &mut CpuAct)], xq: &[
         .iter()
         .map(|w| w.packed_q4k(pool).or_else(|| w.packed_q6k(pool)))
         .collect();
-    pool.for_range(total, 8, |range| {
+    // One contiguous range per thread, not the pool's dynamic chunks: every chunk start is a
+    // new stream that the prefetchers pick up late, and with one stream per thread Qwen's decode
+    // step took 2-3% less time (Gemma-3 270M's about 2-4%), alternated in one process.
+    pool.broadcast(|t, threads| {
+        let range = total * t / threads..total * (t + 1) / threads;
         for (i, w) in ws.iter().enumerate() {
             let (lo, hi) = (range.start.max(starts[i]), range.end.min(starts[i + 1]));
             if lo >= hi {

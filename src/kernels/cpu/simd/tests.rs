@@ -452,7 +452,11 @@ fn dot_rows_equals_dot_bit_for_bit() {
         };
         // An even and an odd block count of 32-value blocks (the AVX-512 kernels take those in
         // pairs); Q6_K rows are whole 256-value blocks.
-        let ns: &[usize] = if ty == GgmlType::Q6K { &[768] } else { &[768, 800] };
+        let ns: &[usize] = if ty == GgmlType::Q6K {
+            &[768]
+        } else {
+            &[768, 800]
+        };
         for &n in ns {
             let mut w = Vec::new();
             let mut tmp = Vec::new();
