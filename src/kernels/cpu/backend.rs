@@ -13,7 +13,7 @@ use half::slice::HalfFloatSliceExt;
 use crate::format::{GgmlType, Gguf};
 use crate::kernels::cpu::attention;
 use crate::kernels::cpu::attention_f32::{self, KvF32};
-use crate::kernels::cpu::hugebuf::HugeBuf;
+use crate::kernels::cpu::hugebuf::{Arena, Region};
 use crate::kernels::cpu::matmul;
 use crate::kernels::cpu::ops;
 use crate::kernels::cpu::pool::ThreadPool;
@@ -38,10 +38,12 @@ pub struct CpuWeight {
     /// The repacked copy a matmul reads instead of the file's bytes: the x8 layout of a Q4_K
     /// matrix (`q4k_x8`, every matmul) or the x4 layout of a Q6_K one (`q6k_x4`, decode only),
     /// built at load or on first use; embedding lookups always read the file.
-    packed: OnceLock<HugeBuf>,
+    packed: OnceLock<Region>,
     /// A plain copy of the matrix on huge pages that every read uses instead of the file, for the
     /// matmul weights that have no repacked copy.
-    resident: Option<HugeBuf>,
+    resident: Option<Region>,
+    /// Where the copies live (shared by all the backend's weights).
+    arena: Arc<Arena>,
 }
 
 impl CpuWeight {
@@ -58,10 +60,11 @@ impl CpuWeight {
         if self.ty != GgmlType::Q4K || !q4k_x8::packable(self.rows, self.cols) {
             return None;
         }
-        Some(
-            self.packed
-                .get_or_init(|| q4k_x8::pack(pool, self.bytes(), self.rows, self.cols)),
-        )
+        Some(self.packed.get_or_init(|| {
+            self.arena.alloc(self.bytes().len(), |out| {
+                q4k_x8::pack_into(pool, self.bytes(), self.rows, self.cols, out)
+            })
+        }))
     }
 
     /// The x4-packed Q6_K bytes for decode, packing on first use; `None` for other types and
@@ -73,10 +76,11 @@ impl CpuWeight {
         {
             return None;
         }
-        Some(
-            self.packed
-                .get_or_init(|| q6k_x4::pack(pool, self.bytes(), self.rows, self.cols)),
-        )
+        Some(self.packed.get_or_init(|| {
+            self.arena.alloc(self.bytes().len(), |out| {
+                q6k_x4::pack_into(pool, self.bytes(), self.rows, self.cols, out)
+            })
+        }))
     }
 }
 
@@ -120,6 +124,8 @@ pub struct CpuBackend {
     pub pool: ThreadPool,
     /// See `Backend::set_row_invariant`.
     row_invariant: AtomicBool,
+    /// The huge-page slabs that hold the weights' packed and plain copies.
+    arena: Arc<Arena>,
 }
 
 /// Elements per piece of the element-wise ops when they are split across threads.
@@ -133,6 +139,7 @@ impl CpuBackend {
         CpuBackend {
             pool: ThreadPool::new(n_threads.max(1)),
             row_invariant: AtomicBool::new(false),
+            arena: Arc::new(Arena::default()),
         }
     }
 
@@ -220,6 +227,7 @@ impl Backend for CpuBackend {
             offset,
             packed: OnceLock::new(),
             resident: None,
+            arena: Arc::clone(&self.arena),
         };
         // Repack now, so that the cost shows in the load time rather than in the first prompt;
         // an embedding table only where it is also the output head (no `output.weight`).
@@ -232,8 +240,9 @@ impl Backend for CpuBackend {
             if w.packed_q4k(&self.pool).is_some() {
                 w.file.release(w.bytes());
             } else if w.packed_q6k(&self.pool).is_none() {
-                let mut copy = HugeBuf::zeroed(w.rows * w.row_bytes);
-                copy.copy_from_slice(w.bytes());
+                let copy = self
+                    .arena
+                    .alloc(w.bytes().len(), |out| out.copy_from_slice(w.bytes()));
                 w.file.release(w.bytes());
                 w.resident = Some(copy);
             }

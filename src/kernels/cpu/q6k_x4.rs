@@ -21,15 +21,22 @@ pub fn packable(rows: usize, cols: usize) -> bool {
     rows > 0 && rows.is_multiple_of(4) && cols.is_multiple_of(256)
 }
 
-/// The x4 copy of a Q6_K matrix (`src`: `rows` rows of `cols / 256` blocks). Panics unless
-/// [`packable`] and `src` holds exactly the matrix.
+/// The x4 copy of a Q6_K matrix (`src`: `rows` rows of `cols / 256` blocks), in a buffer of its
+/// own. Panics unless [`packable`] and `src` holds exactly the matrix.
 pub fn pack(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize) -> HugeBuf {
+    let mut out = HugeBuf::zeroed(src.len());
+    pack_into(pool, src, rows, cols, &mut out);
+    out
+}
+
+/// [`pack`] into `out` (exactly the matrix's size).
+pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
     assert!(packable(rows, cols), "{rows}x{cols} is not x4-packable");
     let nb = cols / 256;
     let row_bytes = nb * W_BYTES;
     assert_eq!(src.len(), rows * row_bytes, "Q6_K matrix bytes");
+    assert_eq!(out.len(), src.len(), "packed bytes");
     let group = 4 * row_bytes;
-    let mut out = HugeBuf::zeroed(rows * row_bytes);
     let dst = SharedMut(out.as_mut_ptr());
     pool.for_range(rows / 4, 64, |range| {
         for g in range {
@@ -39,7 +46,6 @@ pub fn pack(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize) -> HugeBuf 
             pack_group(&src[g * group..(g + 1) * group], nb, o);
         }
     });
-    out
 }
 
 /// Four file-layout rows of `nb` blocks (`src`) into one x4 group (`out`).

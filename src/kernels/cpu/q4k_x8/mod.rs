@@ -74,15 +74,23 @@ fn unit_groups(wide: bool, groups: usize, g: usize) -> usize {
 }
 
 /// Repacks a Q4_K matrix (`src`: `rows` rows of `cols / 256` file blocks) into the x8 layout (the
-/// wide one when [`wide`]). Panics unless [`packable`] and `src` has exactly the matrix's bytes.
+/// wide one when [`wide`]), in a buffer of its own. Panics unless [`packable`] and `src` has
+/// exactly the matrix's bytes.
 pub fn pack(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize) -> HugeBuf {
+    let mut out = HugeBuf::zeroed(src.len());
+    pack_into(pool, src, rows, cols, &mut out);
+    out
+}
+
+/// [`pack`] into `out` (exactly the matrix's size).
+pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
     assert!(packable(rows, cols), "{rows}x{cols} is not x8-packable");
     let nb = cols / 256;
     let row_bytes = nb * 144;
     assert_eq!(src.len(), rows * row_bytes, "Q4_K matrix bytes");
+    assert_eq!(out.len(), src.len(), "packed bytes");
     let groups = rows / GROUP;
     let group_bytes = nb * BLOCK_BYTES;
-    let mut out = HugeBuf::zeroed(groups * group_bytes);
     let dst = SharedMut(out.as_mut_ptr());
     let wide = wide();
     let step = if wide { 2 } else { 1 };
@@ -100,7 +108,6 @@ pub fn pack(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize) -> HugeBuf 
             pack_unit(&src[unit_rows], k * GROUP, nb, o);
         }
     });
-    out
 }
 
 /// `r` rows (8 or 16; `src`: `r` rows of `nb` file blocks) into `out` (`nb` packed blocks of
