@@ -285,7 +285,7 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
             for m in [8, 16, 64] {
                 let (xq, mut out) = (acts(m), vec![0f32; m * rows]);
                 let t = best(budget, || {
-                    q6k_x8::matmul(&pool, &d.w, rows, COLS, &xq, m, &mut out);
+                    q6k_x8::matmul(&pool, &d.w, false, rows, COLS, &xq, m, &mut out);
                     black_box(&out);
                 });
                 report(&format!("panel matmul m{m}"), d, t, m, base(m));

@@ -36,7 +36,7 @@ pub struct CpuWeight {
     /// Where the matrix starts in the tensor's data (a row range of a fused or stacked tensor).
     offset: usize,
     /// The repacked copy a matmul reads instead of the file's bytes: the x8 layout of a Q4_K
-    /// matrix (`q4k_x8`, every matmul) or the x4 layout of a Q6_K one (`q6k_x4`, decode only),
+    /// matrix (`q4k_x8`, every matmul) or the x4 layout of a Q6_K one (`q6k_x4`, decode and GEMM),
     /// built at load or on first use; embedding lookups always read the file.
     packed: OnceLock<Region>,
     /// A plain copy of the matrix on huge pages that every read uses instead of the file, for the
@@ -234,12 +234,13 @@ impl Backend for CpuBackend {
         let lookup_only =
             src.name == "token_embd.weight" && src.file.tensor("output.weight").is_some();
         if !lookup_only {
-            // Q4_K: every matmul reads the x8 copy. Q6_K: decode reads the x4 copy, prefill the
-            // file. Other types: a plain copy on huge pages, which every read then uses (Gemma-3
-            // 270M decode, Q8_0/Q5_0: 80 -> 90 t/s).
-            if w.packed_q4k(&self.pool).is_some() {
+            // Q4_K: every matmul reads the x8 copy. Q6_K: decode and the prefill GEMM read the x4
+            // copy; the file's pages come back only for a row-invariant verify, a prompt under
+            // eight tokens or a ragged last group. Other types: a plain copy on huge pages, which
+            // every read then uses (Gemma-3 270M decode, Q8_0/Q5_0: 80 -> 90 t/s).
+            if w.packed_q4k(&self.pool).is_some() || w.packed_q6k(&self.pool).is_some() {
                 w.file.release(w.bytes());
-            } else if w.packed_q6k(&self.pool).is_none() {
+            } else {
                 let copy = self
                     .arena
                     .alloc(w.bytes().len(), |out| out.copy_from_slice(w.bytes()));

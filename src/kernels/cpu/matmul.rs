@@ -110,7 +110,9 @@ fn matmul_quantized(
         let done = q80_gemm::matmul(pool, w.ty, w.bytes(), rows, cols, xq, n, &mut out.data);
         matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
     } else if !invariant && w.ty == GgmlType::Q6K && q6k_x8::applies(rows, cols, n) {
-        let done = q6k_x8::matmul(pool, w.bytes(), rows, cols, xq, n, &mut out.data);
+        // From the x4 copy where there is one (huge pages; the file's pages are released).
+        let (src, x4) = w.packed_q6k(pool).map_or((w.bytes(), false), |p| (p, true));
+        let done = q6k_x8::matmul(pool, src, x4, rows, cols, xq, n, &mut out.data);
         matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
     } else {
         matmul_rows(pool, w, xq, a_bytes, n, 0, out, invariant);

@@ -5,7 +5,8 @@
 //! layout those four rows are four streams `row_bytes` apart, in this one a single linear stream,
 //! which the prefetches (and the hardware's) follow. The blocks are the file's bytes unchanged and
 //! the kernels do each row's arithmetic exactly as the row-layout kernel does, so outputs are
-//! bit-identical. Only decode reads this copy; prefill and embedding lookups read the file.
+//! bit-identical. Decode and the prefill GEMM (`q6k_x8`, which packs its panels from either layout)
+//! read this copy; embedding lookups, row-invariant verifies and short prompts read the file.
 //!
 //! Invariant: a matrix is packed only when `rows % 4 == 0` and `cols % 256 == 0`.
 

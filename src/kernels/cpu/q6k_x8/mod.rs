@@ -66,23 +66,35 @@ fn unpack_block(x: &[u8], q: &mut [u8; 256]) {
 
 /// Packs eight rows (`src`: 8 rows of `nb` file blocks) into `panel` (`nb` panel blocks).
 pub fn pack_group(src: &[u8], nb: usize, panel: &mut [u8]) {
-    pack_rows(src, nb, GROUP, panel);
+    pack_rows(src, false, nb, GROUP, panel);
 }
 
-/// Packs sixteen rows (`src`: 16 rows of `nb` file blocks) into a wide `panel` (`nb` blocks).
-pub fn pack_wide(src: &[u8], nb: usize, panel: &mut [u8]) {
-    pack_rows(src, nb, WIDE, panel);
+/// Packs sixteen rows (`src`: 16 rows of `nb` blocks, in the x4 layout of `q6k_x4` if `x4`) into
+/// a wide `panel` (`nb` blocks).
+pub fn pack_wide(src: &[u8], x4: bool, nb: usize, panel: &mut [u8]) {
+    pack_rows(src, x4, nb, WIDE, panel);
 }
 
-/// `r` rows (8 or 16) into panel blocks of `276r` bytes: both layouts are this one (`d` at 0,
-/// scales at `4r`, values at `20r`) for their row count.
-fn pack_rows(src: &[u8], nb: usize, r: usize, panel: &mut [u8]) {
-    let (row_bytes, block) = (nb * W_BYTES, 276 * r);
+/// Where block `b` of row `c` of a run of rows starts: in the file layout (`nb` blocks a row), or
+/// in the x4 layout of `q6k_x4` (the run starting at a group of four).
+fn block_at(x4: bool, nb: usize, c: usize, b: usize) -> usize {
+    if x4 {
+        (c / 4 * 4 * nb + 4 * b + c % 4) * W_BYTES
+    } else {
+        (c * nb + b) * W_BYTES
+    }
+}
+
+/// `r` rows (8 or 16; in the x4 layout if `x4`) into panel blocks of `276r` bytes: both panel
+/// layouts are this one (`d` at 0, scales at `4r`, values at `20r`) for their row count.
+fn pack_rows(src: &[u8], x4: bool, nb: usize, r: usize, panel: &mut [u8]) {
+    let block = 276 * r;
     let mut q = [0u8; 256];
     for b in 0..nb {
         let o = &mut panel[b * block..(b + 1) * block];
         for c in 0..r {
-            let x = &src[c * row_bytes + b * W_BYTES..c * row_bytes + (b + 1) * W_BYTES];
+            let at = block_at(x4, nb, c, b);
+            let x = &src[at..at + W_BYTES];
             let d = half::f16::from_le_bytes([x[208], x[209]]).to_f32();
             o[4 * c..4 * c + 4].copy_from_slice(&d.to_le_bytes());
             for sb in 0..16 {
@@ -103,12 +115,14 @@ fn wide() -> bool {
     cfg!(target_arch = "x86_64") && current() >= Level::Avx512
 }
 
-/// `out (n × rows)` columns `0..rows / 8 * 8` of `x · Wᵀ` for a Q6_K matrix `w` (file layout,
-/// `rows × cols`) and `n` Q8_K activation rows `xq`; returns how many rows it computed (the rest,
-/// fewer than eight, are the caller's).
+/// `out (n × rows)` columns `0..rows / 8 * 8` of `x · Wᵀ` for a Q6_K matrix `w` (`rows × cols`,
+/// in the file layout, or in the x4 layout of `q6k_x4` if `x4`) and `n` Q8_K activation rows
+/// `xq`; returns how many rows it computed (the rest, fewer than eight, are the caller's).
+#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     pool: &ThreadPool,
     w: &[u8],
+    x4: bool,
     rows: usize,
     cols: usize,
     xq: &[u8],
@@ -134,6 +148,7 @@ pub fn matmul(
             if step == 2 && g + 1 < groups {
                 pack_wide(
                     &w[g * GROUP * row_bytes..(g + 2) * GROUP * row_bytes],
+                    x4,
                     nb,
                     &mut panel,
                 );
@@ -155,9 +170,11 @@ pub fn matmul(
                 continue;
             }
             let panel = &mut panel[..nb * PANEL_BLOCK];
-            pack_group(
+            pack_rows(
                 &w[g * GROUP * row_bytes..(g + 1) * GROUP * row_bytes],
+                x4,
                 nb,
+                GROUP,
                 panel,
             );
             for t0 in (0..n).step_by(4) {

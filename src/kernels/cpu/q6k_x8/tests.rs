@@ -24,7 +24,13 @@ fn panel_kernel_matches_twin_and_tiled_matmul() {
     let a_row = nb * A_BYTES;
     let pool = ThreadPool::new(2);
     let mut out = vec![f32::NAN; n * rows];
-    assert_eq!(matmul(&pool, &w, rows, cols, &a, n, &mut out), 24);
+    assert_eq!(matmul(&pool, &w, false, rows, cols, &a, n, &mut out), 24);
+    // The same matrix in the x4 layout gives the same bits.
+    let x4 = crate::kernels::cpu::q6k_x4::pack(&pool, &w, rows, cols);
+    let mut out_x4 = vec![f32::NAN; n * rows];
+    assert_eq!(matmul(&pool, &x4, true, rows, cols, &a, n, &mut out_x4), 24);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&out_x4[..]), bits(&out[..]), "x4 source");
     let mut panel = vec![0u8; nb * PANEL_BLOCK];
     for g in 0..3 {
         pack_group(&w[g * 8 * nb * 210..(g + 1) * 8 * nb * 210], nb, &mut panel);
