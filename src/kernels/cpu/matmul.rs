@@ -219,6 +219,19 @@ fn quantize_rows(pool: &ThreadPool, ty: GgmlType, x: &CpuAct, a_bytes: usize, xq
         });
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::vec_dot_type(ty) == GgmlType::Q8_0 && simd::current() >= simd::Level::Avx512 {
+        pool.for_range(n, min_rows, |range| {
+            for t in range {
+                // SAFETY: row t's bytes `t * a_bytes .. (t + 1) * a_bytes` lie inside `xq`
+                // (t < n) and belong to this chunk only.
+                let o =
+                    unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(t * a_bytes), a_bytes) };
+                simd::avx512::quantize::quantize_row_q8_0(x.row(t), o);
+            }
+        });
+        return;
+    }
     pool.for_range(n, min_rows, |range| {
         let mut tmp = Vec::with_capacity(a_bytes);
         for t in range {
