@@ -206,31 +206,29 @@ fn quantize_rows(pool: &ThreadPool, ty: GgmlType, x: &CpuAct, a_bytes: usize, xq
     xq.resize(n * a_bytes, 0);
     let dst = SharedMut(xq.as_mut_ptr());
     let min_rows = if x.cols >= 4096 { 1 } else { 4 };
+    // The AVX-512 quantizers (bit-identical to the scalar `X86Avx` ones) where there is one.
     #[cfg(target_arch = "x86_64")]
-    if crate::quant::vec_dot_type(ty) == GgmlType::Q8K && simd::current() >= simd::Level::Avx512 {
-        pool.for_range(n, min_rows, |range| {
-            for t in range {
-                // SAFETY: row t's bytes `t * a_bytes .. (t + 1) * a_bytes` lie inside `xq`
-                // (t < n) and belong to this chunk only.
-                let o =
-                    unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(t * a_bytes), a_bytes) };
-                simd::avx512::quantize::quantize_row_q8k(x.row(t), o);
-            }
-        });
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if crate::quant::vec_dot_type(ty) == GgmlType::Q8_0 && simd::current() >= simd::Level::Avx512 {
-        pool.for_range(n, min_rows, |range| {
-            for t in range {
-                // SAFETY: row t's bytes `t * a_bytes .. (t + 1) * a_bytes` lie inside `xq`
-                // (t < n) and belong to this chunk only.
-                let o =
-                    unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(t * a_bytes), a_bytes) };
-                simd::avx512::quantize::quantize_row_q8_0(x.row(t), o);
-            }
-        });
-        return;
+    if simd::current() >= simd::Level::Avx512 {
+        use simd::avx512::quantize::{quantize_row_q8_0, quantize_row_q8k};
+        type Quantize = fn(&[f32], &mut [u8]);
+        let quantize: Option<Quantize> = match crate::quant::vec_dot_type(ty) {
+            GgmlType::Q8K => Some(quantize_row_q8k),
+            GgmlType::Q8_0 => Some(quantize_row_q8_0),
+            _ => None,
+        };
+        if let Some(quantize) = quantize {
+            pool.for_range(n, min_rows, |range| {
+                for t in range {
+                    // SAFETY: row t's bytes `t * a_bytes .. (t + 1) * a_bytes` lie inside `xq`
+                    // (t < n) and belong to this chunk only.
+                    let o = unsafe {
+                        std::slice::from_raw_parts_mut(dst.ptr().add(t * a_bytes), a_bytes)
+                    };
+                    quantize(x.row(t), o);
+                }
+            });
+            return;
+        }
     }
     pool.for_range(n, min_rows, |range| {
         let mut tmp = Vec::with_capacity(a_bytes);

@@ -113,18 +113,22 @@ unsafe fn block_q8_0(x: *const f32, q: *mut u8) -> f32 {
 mod tests {
     use super::*;
 
+    /// Uniform floats in [-1, 1) from a xorshift seeded with `seed`.
+    fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
     #[test]
     fn equals_the_scalar_reference() {
         if !super::super::detected() {
             return;
         }
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut next = uniform(0x2545_f491_4f6c_dd1d);
         let mut cases: Vec<Vec<f32>> = Vec::new();
         for scale in [1e-3f32, 1.0, 37.5, 1e4] {
             cases.push((0..512).map(|_| next() * scale).collect());
@@ -158,13 +162,7 @@ mod tests {
         if !super::super::detected() {
             return;
         }
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut next = uniform(0x9e37_79b9_7f4a_7c15);
         let mut cases: Vec<Vec<f32>> = Vec::new();
         for scale in [1e-4f32, 1.0, 37.5, 1e5] {
             cases.push((0..640).map(|_| next() * scale).collect());
