@@ -47,6 +47,8 @@ pub struct CpuWeight {
 }
 
 impl CpuWeight {
+    /// The matrix in the file's layout: the plain huge-page copy where there is one, else the
+    /// mapped file's bytes.
     pub fn bytes(&self) -> &[u8] {
         if let Some(r) = &self.resident {
             return r;

@@ -7,8 +7,9 @@
 //! than on 4 KiB pages, and Qwen's decode 3-4% more with its x8 Q4_K copy on them. Repacked
 //! weights and the bandwidth probe live in these buffers so the kernel can back them with 2 MiB
 //! pages (`madvise(MADV_HUGEPAGE)`, which also works where THP is in `madvise` mode). The advice
-//! is a hint: with THP off the buffer is an ordinary zeroed mapping; a matrix under 2 MiB, or
-//! the unaligned tail of a larger one, stays on 4 KiB pages.
+//! is a hint: with THP off the buffer is an ordinary zeroed mapping. A buffer of its own gets no
+//! huge page under 2 MiB, nor for its unaligned tail; the weights' copies therefore come from an
+//! [`Arena`] of shared slabs.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex};
