@@ -196,4 +196,7 @@ impl<B: Backend> Backend for Observed<B> {
     fn to_host(&self, x: &Self::Act) -> Vec<f32> {
         self.inner.to_host(x)
     }
+    fn take_host(&self, x: Self::Act) -> Vec<f32> {
+        self.inner.take_host(x)
+    }
 }

@@ -207,7 +207,7 @@ impl<B: Backend> Model<B> {
             None,
             &mut logits,
         );
-        let flat = be.to_host(&logits);
+        let flat = be.take_host(logits);
         if want.len() == 1 {
             return Ok(vec![flat]); // decode: no copy of the one row
         }

@@ -471,4 +471,8 @@ impl Backend for CpuBackend {
     fn to_host(&self, x: &CpuAct) -> Vec<f32> {
         x.data.clone()
     }
+
+    fn take_host(&self, x: CpuAct) -> Vec<f32> {
+        x.data
+    }
 }

@@ -407,4 +407,11 @@ impl Backend for DeviceBackend {
             DevAct::Cuda(x) => self.gpu().to_host(x),
         }
     }
+
+    fn take_host(&self, x: DevAct) -> Vec<f32> {
+        match x {
+            DevAct::Cpu(x) => x.data,
+            DevAct::Cuda(x) => self.gpu().to_host(&x),
+        }
+    }
 }
