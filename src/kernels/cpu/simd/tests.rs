@@ -483,3 +483,71 @@ fn dot_rows_equals_dot_bit_for_bit() {
         }
     }
 }
+
+/// The four-row decode kernels on raw extreme blocks: Q8_0 weight bytes spanning -128..=127
+/// (-128 never comes out of ggml's quantizer, but a file may hold it), Q5_0 with every fifth
+/// bit set, clear and mixed, against activation bytes of ±127: bit-identical to the
+/// AVX2 dot product, which computes these integers with the sign trick.
+#[test]
+fn dot_rows_exact_on_extreme_raw_blocks() {
+    let Some(avx2) = Level::Avx2.available().then_some(Level::Avx2) else {
+        return;
+    };
+    let f16b = |v: f32| f16::from_f32(v).to_le_bytes();
+    let nb = 6; // 192 values
+    for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
+        let (Some(rows_fn), Some(k)) = (dot_rows(ty), kernels_at(avx2, ty)) else {
+            continue;
+        };
+        let mut rows: Vec<Vec<u8>> = Vec::new();
+        for r in 0..5usize {
+            let mut row = Vec::new();
+            for b in 0..nb {
+                row.extend_from_slice(&f16b(0.03 * (1 + r + b) as f32));
+                if ty == GgmlType::Q8_0 {
+                    row.extend((0..32).map(|i| match (r + b) % 3 {
+                        0 => 0x80u8,                // -128 everywhere
+                        1 => 0x7f,                  // 127 everywhere
+                        _ => (i * 8 + r * 3) as u8, // a sweep over all codes
+                    }));
+                } else {
+                    let qh: u32 = [0, u32::MAX, 0x5555_aaaa, 0x0f0f_f0f0][(r + b) % 4];
+                    row.extend_from_slice(&qh.to_le_bytes());
+                    row.extend((0..16).map(|i| [0x00u8, 0xff, 0x0f, 0xf0][(i + r) % 4]));
+                }
+            }
+            rows.push(row);
+        }
+        let rb = rows[0].len();
+        let w: Vec<u8> = rows.concat();
+        // Activations come from the Q8_0 quantizer, whose codes are ±127 at most (the sign
+        // trick of the AVX2 kernel would negate a -128 to itself).
+        for pattern in 0..2 {
+            let mut a = Vec::new();
+            for b in 0..nb {
+                a.extend_from_slice(&f16b(0.5 + b as f32));
+                a.extend((0..32).map(|i| match pattern {
+                    0 => 127u8,
+                    _ => {
+                        if (i + b) % 2 == 0 {
+                            127
+                        } else {
+                            0x81 // -127
+                        }
+                    }
+                }));
+            }
+            let mut out = vec![f32::NAN; rows.len()];
+            rows_fn(nb * 32, &w, rb, &a, &mut out);
+            for (i, o) in out.iter().enumerate() {
+                let want = (k.dot)(nb * 32, &w[i * rb..(i + 1) * rb], &a);
+                assert_eq!(
+                    o.to_bits(),
+                    want.to_bits(),
+                    "{} row {i} pattern {pattern}",
+                    ty.name()
+                );
+            }
+        }
+    }
+}

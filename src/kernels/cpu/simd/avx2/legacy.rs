@@ -246,7 +246,7 @@ wrows_entry!(
 /// # Safety
 /// As [`q4_0_rows`], with Q8_0 weight blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_rows<const M: usize>(
+pub(crate) unsafe fn q8_0_rows<const M: usize>(
     nb: usize,
     w: *const u8,
     a: *const u8,
@@ -263,7 +263,7 @@ unsafe fn q8_0_rows<const M: usize>(
 /// # Safety
 /// As [`q4_0_rows`], with Q5_0 weight blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_0_rows<const M: usize>(
+pub(crate) unsafe fn q5_0_rows<const M: usize>(
     nb: usize,
     w: *const u8,
     a: *const u8,

@@ -18,7 +18,7 @@ use crate::format::GgmlType;
 
 mod float;
 pub(crate) mod kquants;
-mod legacy;
+pub(crate) mod legacy;
 
 /// Whether this CPU has everything the AVX2 kernels use (std caches the CPUID probe).
 pub(super) fn detected() -> bool {
@@ -306,7 +306,7 @@ pub(crate) unsafe fn rd_f32(p: *const u8) -> f32 {
 
 /// The little-endian u32 at `p` (unaligned).
 #[inline]
-unsafe fn rd_u32(p: *const u8) -> u32 {
+pub(crate) unsafe fn rd_u32(p: *const u8) -> u32 {
     p.cast::<u32>().read_unaligned()
 }
 

@@ -19,6 +19,7 @@ use crate::format::GgmlType;
 pub(crate) use super::avx2::{blocks, entries, rows_dispatch, wrows_entry, x4_entry};
 
 pub(crate) mod kquants;
+pub(crate) mod legacy;
 pub(crate) mod quantize;
 
 /// Whether this CPU has everything the AVX-512 kernels use (and the AVX2 level's features, which
@@ -52,6 +53,8 @@ pub(super) fn dot_rows(ty: GgmlType) -> Option<super::DotRowsFn> {
     }
     match ty {
         GgmlType::Q6K => Some(kquants::q6k_dot_rows),
+        GgmlType::Q8_0 => Some(legacy::q8_0_dot_rows),
+        GgmlType::Q5_0 => Some(legacy::q5_0_dot_rows),
         _ => None,
     }
 }
