@@ -172,19 +172,10 @@ unsafe fn signed_q8_0_wrows4(
         let q = _mm256_cvtepi32_ps(mul_sum_us8(ax, _mm256_sign_epi8(ay, qx)));
         _mm256_fmadd_ps(_mm256_mul_ps(f16_bcast(x), da), q, acc)
     };
-    // The four rows are one contiguous run of `4 * row_bytes` bytes, short streams the hardware
-    // prefetcher does not pick up: each step prefetches the matching part of the run after the
-    // next, into L2 (T1: a few percent faster decode than into L1 on the development machine;
-    // two runs ahead rather than one: Gemma-3-270M's Q5_0 decode matmuls 14.1 → 15.7-16.1 GB/s,
-    // its Q8_0 head 20.2 → 20.6 GB/s; four runs ahead: the same as two).
-    let lines = (4 * wbytes).div_ceil(64);
     let mut x = w;
     let mut ya = a;
     for b in 0..nb {
-        let pf = w.wrapping_add(8 * row_bytes + b * 4 * wbytes);
-        for l in 0..lines {
-            _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(64 * l).cast());
-        }
+        prefetch_run_ahead(w, wbytes, row_bytes, b);
         let (ay, da) = (ld(ya.add(2)), f16_bcast(ya));
         c0 = step(x, ay, da, c0);
         c1 = step(x.add(row_bytes), ay, da, c1);
@@ -197,6 +188,22 @@ unsafe fn signed_q8_0_wrows4(
     *out.add(1) = hsum_float_8(c1);
     *out.add(2) = hsum_float_8(c2);
     *out.add(3) = hsum_float_8(c3);
+}
+
+/// Prefetches what a four-row decode kernel reads for block `b` two runs ahead. The four rows
+/// (`w`, `row_bytes` apart, `wbytes`-byte blocks) are one contiguous run of `4 * row_bytes`
+/// bytes, short streams the hardware prefetcher does not pick up: each block step prefetches the
+/// matching part of the run after the next, into L2 (T1: a few percent faster decode than into L1
+/// on the development machine; two runs ahead rather than one: Gemma-3-270M's Q5_0 decode
+/// matmuls 14.1 → 15.7-16.1 GB/s, its Q8_0 head 20.2 → 20.6 GB/s; four runs ahead: the same as
+/// two). Never faults (prefetches are hints; the address may lie past the weights).
+#[inline(always)]
+pub(crate) fn prefetch_run_ahead(w: *const u8, wbytes: usize, row_bytes: usize, b: usize) {
+    let pf = w.wrapping_add(8 * row_bytes + b * 4 * wbytes);
+    for l in 0..(4 * wbytes).div_ceil(64) {
+        // SAFETY: a prefetch is only a hint and never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(64 * l).cast()) };
+    }
 }
 
 /// Q8_0: four weight rows against one activation row ([`signed_q8_0_wrows4`]).
@@ -224,22 +231,32 @@ unsafe fn q5_0_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, o
     signed_q8_0_wrows4(nb, w, BlockQ5_0::BYTES, row_bytes, a, out, unpack);
 }
 
-wrows_entry!(
-    q8_0_dot_rows,
-    q8_0_wrows4,
-    q8_0_rows,
-    32,
-    BlockQ8_0::BYTES,
-    BlockQ8_0::BYTES
-);
-wrows_entry!(
-    q5_0_dot_rows,
-    q5_0_wrows4,
-    q5_0_rows,
-    32,
-    BlockQ5_0::BYTES,
-    BlockQ8_0::BYTES
-);
+/// The `dot_rows` entries of the 32-value types with Q8_0 activations (`q8_0_dot_rows`,
+/// `q5_0_dot_rows`) over the `q8_0_wrows4` / `q5_0_wrows4` and `q8_0_rows` / `q5_0_rows` in
+/// scope where it is invoked (each SIMD level has its own four-row kernels).
+macro_rules! q8_0_activation_entries {
+    () => {
+        wrows_entry!(
+            q8_0_dot_rows,
+            q8_0_wrows4,
+            q8_0_rows,
+            32,
+            BlockQ8_0::BYTES,
+            BlockQ8_0::BYTES
+        );
+        wrows_entry!(
+            q5_0_dot_rows,
+            q5_0_wrows4,
+            q5_0_rows,
+            32,
+            BlockQ5_0::BYTES,
+            BlockQ8_0::BYTES
+        );
+    };
+}
+pub(crate) use q8_0_activation_entries;
+
+q8_0_activation_entries!();
 
 /// Q8_0 × Q8_0.
 ///

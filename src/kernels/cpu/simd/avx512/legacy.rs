@@ -17,7 +17,9 @@
 use std::arch::x86_64::*;
 
 use super::wrows_entry;
-use crate::kernels::cpu::simd::avx2::legacy::{q5_0_rows, q8_0_rows};
+use crate::kernels::cpu::simd::avx2::legacy::{
+    prefetch_run_ahead, q5_0_rows, q8_0_activation_entries, q8_0_rows,
+};
 use crate::kernels::cpu::simd::avx2::{f16_bcast, hsum_float_8, ld, ld128, rd_u32};
 use crate::quant::blocks::{Block, BlockQ5_0, BlockQ8_0};
 
@@ -42,16 +44,11 @@ unsafe fn wrows4(
 ) {
     let mut acc = [_mm256_setzero_ps(); 4];
     let offset = _mm256_set1_epi8(off);
-    // The same prefetches as the AVX2 kernel: the matching part of the run of four rows two runs
-    // ahead, into L2.
-    let lines = (4 * wbytes).div_ceil(64);
     let mut x = w;
     let mut ya = a;
     for b in 0..nb {
-        let pf = w.wrapping_add(8 * row_bytes + b * 4 * wbytes);
-        for l in 0..lines {
-            _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(64 * l).cast());
-        }
+        // The AVX2 kernel's prefetches.
+        prefetch_run_ahead(w, wbytes, row_bytes, b);
         let (ay, da) = (ld(ya.add(2)), f16_bcast(ya));
         // -off · (sum of each lane's four activations), shared by the four rows.
         let start = _mm256_sub_epi32(
@@ -100,19 +97,4 @@ unsafe fn q5_0_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, o
     wrows4(nb, w, BlockQ5_0::BYTES, row_bytes, a, out, 16, unsigned);
 }
 
-wrows_entry!(
-    q8_0_dot_rows,
-    q8_0_wrows4,
-    q8_0_rows,
-    32,
-    BlockQ8_0::BYTES,
-    BlockQ8_0::BYTES
-);
-wrows_entry!(
-    q5_0_dot_rows,
-    q5_0_wrows4,
-    q5_0_rows,
-    32,
-    BlockQ5_0::BYTES,
-    BlockQ8_0::BYTES
-);
+q8_0_activation_entries!();
