@@ -88,10 +88,13 @@ unsafe fn q8_0_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, o
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q5_0_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, out: *mut f32) {
     let (m4, c16) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(16));
+    // The 16 nibble bytes in both halves, the high half shifted down by four (one variable shift
+    // instead of a shift and an insert).
+    let shifts = _mm256_set_epi64x(0x0004_0004_0004_0004, 0x0004_0004_0004_0004, 0, 0);
     // SAFETY (of the closure's reads): `qh` sits at 2..6 and `qs` at 6..22 of the block.
     let unsigned = |x: *const u8| {
-        let t = ld128(x.add(6));
-        let nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(t), t), m4);
+        let t = _mm256_broadcastsi128_si256(ld128(x.add(6)));
+        let nib = _mm256_and_si256(_mm256_srlv_epi16(t, shifts), m4);
         _mm256_mask_add_epi8(nib, rd_u32(x.add(2)), nib, c16)
     };
     wrows4(nb, w, BlockQ5_0::BYTES, row_bytes, a, out, 16, unsigned);
