@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::kernels::cpu::simd::avx512::bcast32x16;
+use crate::kernels::cpu::simd::avx512::{bcast32x16, ld2x256};
 
 use super::{A_BYTES, BLOCK_BYTES, GROUP};
 
@@ -155,7 +155,8 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
                     // Keeps the compiler from gathering the prefetches back into one burst.
                     std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
                 }
-                let bits = ld(16 * R + 32 * R * p + 4 * R * s);
+                // Two 32-byte loads (`ld2x256`), not one of 64: the nibbles are the stream.
+                let bits = ld2x256(x.add(16 * R + 32 * R * p + 4 * R * s));
                 let lo = _mm512_and_si512(bits, m4);
                 // The high nibbles stay in place (16·q): `vpdpbusd` does not saturate, so the
                 // sums are exactly 16 times the nibbles' and one shift per pair replaces eight.
