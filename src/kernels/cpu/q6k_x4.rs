@@ -49,13 +49,20 @@ pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &
     });
 }
 
+/// Where block `b` of row `r` (counted from the start of a group of four) starts in an x4 copy
+/// of rows of `nb` blocks: the one place the layout is spelled out.
+pub fn block_offset(nb: usize, r: usize, b: usize) -> usize {
+    (r / 4 * 4 * nb + 4 * b + r % 4) * W_BYTES
+}
+
 /// Four file-layout rows of `nb` blocks (`src`) into one x4 group (`out`).
 fn pack_group(src: &[u8], nb: usize, out: &mut [u8]) {
     let row_bytes = nb * W_BYTES;
-    for (i, o) in out.chunks_exact_mut(W_BYTES).enumerate() {
-        let (b, r) = (i / 4, i % 4);
-        let at = r * row_bytes + b * W_BYTES;
-        o.copy_from_slice(&src[at..at + W_BYTES]);
+    for r in 0..4 {
+        for b in 0..nb {
+            let (from, to) = (r * row_bytes + b * W_BYTES, block_offset(nb, r, b));
+            out[to..to + W_BYTES].copy_from_slice(&src[from..from + W_BYTES]);
+        }
     }
 }
 

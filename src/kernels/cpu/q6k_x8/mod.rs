@@ -79,7 +79,7 @@ pub fn pack_wide(src: &[u8], x4: bool, nb: usize, panel: &mut [u8]) {
 /// in the x4 layout of `q6k_x4` (the run starting at a group of four).
 fn block_at(x4: bool, nb: usize, c: usize, b: usize) -> usize {
     if x4 {
-        (c / 4 * 4 * nb + 4 * b + c % 4) * W_BYTES
+        crate::kernels::cpu::q6k_x4::block_offset(nb, c, b)
     } else {
         (c * nb + b) * W_BYTES
     }

@@ -398,67 +398,91 @@ pub(crate) unsafe fn q6k_block_isums<const M: usize>(
     sumi
 }
 
-/// The decode shape of [`q6k_rows`]: four weight rows (`row_bytes` apart) against ONE activation
-/// row. Each row keeps its own accumulator and the float operations of `q6k_rows::<1>`, so
-/// `out[r]` is bit-identical to the `dot` of row `r`; the four rows' independent work overlaps,
-/// and each step prefetches the matching part of the next four rows (a short contiguous run the
-/// hardware prefetcher does not pick up in time).
-///
-/// # Safety
-/// Four weight rows of `nb` Q6_K blocks at `w + r * row_bytes`, one activation row of `nb` Q8_K
-/// blocks at `a`; `out` has four slots; AVX2, FMA and F16C are present.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, out: *mut f32) {
-    let strides = (row_bytes, BlockQ6K::BYTES, 4 * row_bytes);
-    q6k_wrows4_at(nb, w, strides, a, out);
-}
-
-/// [`q6k_wrows4`] over four rows whose block `b` of row `r` lies at `w + r * rs + b * bs`
-/// (`(rs, bs, pd)`), prefetching the 4 × 210 bytes at `pd + 840 b` (the same part of the next
-/// four rows, or the run `pd` bytes ahead in the x4 layout), a few lines before each row's block.
-///
-/// # Safety
-/// As [`q6k_wrows4`], with the blocks where `(rs, bs)` put them.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k_wrows4_at(
-    nb: usize,
-    w: *const u8,
-    (rs, bs, pd): (usize, usize, usize),
-    a: *const u8,
-    out: *mut f32,
-) {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let lines = (4 * BlockQ6K::BYTES).div_ceil(64);
-    for b in 0..nb {
-        let pf = w.wrapping_add(pd + b * 4 * BlockQ6K::BYTES);
-        let ya = a.add(b * A_BYTES);
-        let da = _mm256_set1_ps(rd_f32(ya));
-        for (r, ac) in acc.iter_mut().enumerate() {
-            for l in 4 * r..(4 * r + 4).min(lines) {
-                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * l).cast());
-            }
-            // Keeps the compiler from gathering the prefetches back into one burst.
-            std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
-            let x = w.add(r * rs + b * bs);
-            let [s] = q6k_block_isums::<1>(x, ya, 0);
-            let d = _mm256_mul_ps(da, f16_bcast(x.add(208)));
-            *ac = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), *ac);
+/// Defines, at a SIMD level whose `q6k_block_isums::<1>` and `q6k_rows` are in scope (`$feat`: the
+/// level's target features), the Q6_K decode kernels over four rows:
+/// - `q6k_wrows4`: four weight rows (`row_bytes` apart) against ONE activation row. Each row keeps
+///   its own accumulator and the float operations of `q6k_rows::<1>`, so `out[r]` is
+///   bit-identical to the `dot` of row `r`; the four rows' independent work overlaps, and each step
+///   prefetches the matching part of the next four rows (a short contiguous run the hardware
+///   prefetcher does not pick up in time);
+/// - `q6k_wrows4_at`: the same over four rows whose block `b` of row `r` lies at
+///   `w + r * rs + b * bs` (`(rs, bs, pd)`), prefetching the 4 × 210 bytes at `pd + 840 b` (the
+///   same part of the next four rows, or the run `pd` bytes ahead in the x4 layout), a few lines
+///   before each row's block rather than all at once, so that the prefetches overlap the
+///   arithmetic instead of waiting in a burst on the core's miss buffers. Into L1: in the x4
+///   layout (one linear stream) a short distance into L1 beat 13 KiB into L2 (Qwen's Q6_K decode
+///   matmuls, alternated in one process: 2.5 KiB 13.2 ms, 3.4 KiB 14.0, 5 KiB 15.1, 13 KiB 15.3);
+/// - their entries `q6k_dot_rows` ([`super::DotRowsFn`]) and `q6k_dot_x4` ([`super::DotX4Fn`]).
+macro_rules! q6k_decode_kernels {
+    ($feat:literal) => {
+        /// See `q6k_decode_kernels`.
+        ///
+        /// # Safety
+        /// The level's features are present; four weight rows of `nb` Q6_K blocks at
+        /// `w + r * row_bytes`, one activation row of `nb` Q8_K blocks at `a`; `out` has four
+        /// slots.
+        #[target_feature(enable = $feat)]
+        unsafe fn q6k_wrows4(
+            nb: usize,
+            w: *const u8,
+            row_bytes: usize,
+            a: *const u8,
+            out: *mut f32,
+        ) {
+            let strides = (row_bytes, BlockQ6K::BYTES, 4 * row_bytes);
+            q6k_wrows4_at(nb, w, strides, a, out);
         }
-    }
-    for (r, ac) in acc.iter().enumerate() {
-        *out.add(r) = hsum_float_8(*ac);
-    }
-}
 
-wrows_entry!(
-    q6k_dot_rows,
-    q6k_wrows4,
-    q6k_rows,
-    QK,
-    BlockQ6K::BYTES,
-    A_BYTES
-);
+        /// See `q6k_decode_kernels`.
+        ///
+        /// # Safety
+        /// As `q6k_wrows4`, with the blocks where `(rs, bs)` put them.
+        #[inline]
+        #[target_feature(enable = $feat)]
+        unsafe fn q6k_wrows4_at(
+            nb: usize,
+            w: *const u8,
+            (rs, bs, pd): (usize, usize, usize),
+            a: *const u8,
+            out: *mut f32,
+        ) {
+            const LINES: usize = (4 * BlockQ6K::BYTES).div_ceil(64);
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for b in 0..nb {
+                let pf = w.wrapping_add(pd + b * 4 * BlockQ6K::BYTES);
+                let ya = a.add(b * A_BYTES);
+                let da = _mm256_set1_ps(rd_f32(ya));
+                for (r, ac) in acc.iter_mut().enumerate() {
+                    for l in 4 * r..(4 * r + 4).min(LINES) {
+                        _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * l).cast());
+                    }
+                    // Keeps the compiler from gathering the prefetches back into one burst.
+                    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+                    let x = w.add(r * rs + b * bs);
+                    let [s] = q6k_block_isums::<1>(x, ya, 0);
+                    let d = _mm256_mul_ps(da, f16_bcast(x.add(208)));
+                    *ac = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), *ac);
+                }
+            }
+            for (r, ac) in acc.iter().enumerate() {
+                *out.add(r) = hsum_float_8(*ac);
+            }
+        }
+
+        wrows_entry!(
+            q6k_dot_rows,
+            q6k_wrows4,
+            q6k_rows,
+            QK,
+            BlockQ6K::BYTES,
+            A_BYTES
+        );
+        x4_entry!(q6k_dot_x4, q6k_wrows4_at, QK, BlockQ6K::BYTES, A_BYTES);
+    };
+}
+pub(crate) use q6k_decode_kernels;
+
+q6k_decode_kernels!("avx2,fma,f16c");
 
 /// Q5_K (block: `d` @0, `dmin` @2, 12 scale/min bytes @4, `qh` 32 bytes @16, `qs` 128 @48).
 ///
@@ -669,5 +693,3 @@ unsafe fn q2k_rows<const M: usize>(
         *out.add(r) = hsum_float_8(*ac);
     }
 }
-
-x4_entry!(q6k_dot_x4, q6k_wrows4_at, QK, BlockQ6K::BYTES, A_BYTES);

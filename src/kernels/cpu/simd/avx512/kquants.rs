@@ -11,6 +11,7 @@
 use std::arch::x86_64::*;
 
 use super::{entries, wrows_entry, x4_entry};
+use crate::kernels::cpu::simd::avx2::kquants::q6k_decode_kernels;
 use crate::kernels::cpu::simd::avx2::{f16_bcast, hsum_float_8, ld, ld128, prefetch_ahead, rd_f32};
 use crate::quant::blocks::{Block, BlockQ6K, BlockQ8K};
 
@@ -154,69 +155,4 @@ unsafe fn q6k_rows<const M: usize>(
     }
 }
 
-/// Four weight rows (`row_bytes` apart) against one activation row, each as `q6k_rows::<1>`,
-/// prefetching the next four rows' matching blocks (as the AVX2 `q6k_wrows4`).
-///
-/// # Safety
-/// The AVX-512 level is available; four weight rows of `nb` Q6_K blocks at `w + r * row_bytes`,
-/// one activation row of `nb` Q8_K blocks at `a`; `out` has four slots.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q6k_wrows4(nb: usize, w: *const u8, row_bytes: usize, a: *const u8, out: *mut f32) {
-    let strides = (row_bytes, BlockQ6K::BYTES, 4 * row_bytes);
-    q6k_wrows4_at(nb, w, strides, a, out);
-}
-
-/// [`q6k_wrows4`] over four rows whose block `b` of row `r` lies at `w + r * rs + b * bs`
-/// (`(rs, bs, pd)`), prefetching the 4 × 210 bytes at `pd + 840 b` (the same part of the next
-/// four rows, or the run `pd` bytes ahead in the x4 layout), a few lines before each row's block
-/// rather than all at once, so that the prefetches overlap the arithmetic instead of waiting in a
-/// burst on the core's miss buffers. Into L1: in the x4 layout (one linear stream) a short
-/// distance into L1 beat 13 KiB into L2 (Qwen's Q6_K decode matmuls, alternated in one process:
-/// 2.5 KiB 13.2 ms, 3.4 KiB 14.0, 5 KiB 15.1, 13 KiB 15.3).
-///
-/// # Safety
-/// As [`q6k_wrows4`], with the blocks where `(rs, bs)` put them.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q6k_wrows4_at(
-    nb: usize,
-    w: *const u8,
-    (rs, bs, pd): (usize, usize, usize),
-    a: *const u8,
-    out: *mut f32,
-) {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for b in 0..nb {
-        let pf = w.wrapping_add(pd + b * 4 * BlockQ6K::BYTES);
-        let ya = a.add(b * A_BYTES);
-        let da = _mm256_set1_ps(rd_f32(ya));
-        for (r, ac) in acc.iter_mut().enumerate() {
-            for l in 4 * r..(4 * r + 4).min(X4_LINES) {
-                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * l).cast());
-            }
-            // Keeps the compiler from gathering the prefetches back into one burst.
-            std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
-            let x = w.add(r * rs + b * bs);
-            let [s] = q6k_block_isums::<1>(x, ya, 0);
-            let d = _mm256_mul_ps(da, f16_bcast(x.add(208)));
-            *ac = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), *ac);
-        }
-    }
-    for (r, ac) in acc.iter().enumerate() {
-        *out.add(r) = hsum_float_8(*ac);
-    }
-}
-
-/// Cache lines of four Q6_K blocks (840 bytes, rounded up).
-const X4_LINES: usize = (4 * BlockQ6K::BYTES).div_ceil(64);
-
-wrows_entry!(
-    q6k_dot_rows,
-    q6k_wrows4,
-    q6k_rows,
-    QK,
-    BlockQ6K::BYTES,
-    A_BYTES
-);
-
-x4_entry!(q6k_dot_x4, q6k_wrows4_at, QK, BlockQ6K::BYTES, A_BYTES);
+q6k_decode_kernels!("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
