@@ -258,7 +258,7 @@ fn main() {
 /// The whole-matrix paths the engine runs (one thread): x8-packed Q4_K (GEMV for one row, GEMM for
 /// groups of four), the Q6_K panel GEMM, the four-row Q8_0/Q5_0 decode kernel and their panel GEMM.
 fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
-    use infer::kernels::cpu::{pool::ThreadPool, q4k_x8, q6k_x8, q80_gemm};
+    use infer::kernels::cpu::{pool::ThreadPool, q4k_x8, q6k_x16, q6k_x8, q80_gemm};
     let pool = ThreadPool::new(1);
     let rows = d.rows();
     let acts = |m: usize| -> Vec<u8> {
@@ -285,7 +285,16 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
             for m in [8, 16, 64] {
                 let (xq, mut out) = (acts(m), vec![0f32; m * rows]);
                 let t = best(budget, || {
-                    q6k_x8::matmul(&pool, &d.w, false, rows, COLS, &xq, m, &mut out);
+                    q6k_x8::matmul(
+                        &pool,
+                        &d.w,
+                        q6k_x16::Layout::File,
+                        rows,
+                        COLS,
+                        &xq,
+                        m,
+                        &mut out,
+                    );
                     black_box(&out);
                 });
                 report(&format!("panel matmul m{m}"), d, t, m, base(m));

@@ -18,6 +18,7 @@ use crate::kernels::cpu::matmul;
 use crate::kernels::cpu::ops;
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::q4k_x8;
+use crate::kernels::cpu::q6k_x16;
 use crate::kernels::cpu::q6k_x4;
 use crate::model::backend::{
     AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
@@ -36,8 +37,9 @@ pub struct CpuWeight {
     /// Where the matrix starts in the tensor's data (a row range of a fused or stacked tensor).
     offset: usize,
     /// The repacked copy a matmul reads instead of the file's bytes: the x8 layout of a Q4_K
-    /// matrix (`q4k_x8`, every matmul) or the x4 layout of a Q6_K one (`q6k_x4`, decode and GEMM),
-    /// built at load or on first use; embedding lookups always read the file.
+    /// matrix (`q4k_x8`, every matmul) or the x16 or x4 layout of a Q6_K one (`q6k_x16`,
+    /// `q6k_x4`: decode and GEMM), built at load or on first use; embedding lookups always read
+    /// the file.
     packed: OnceLock<Region>,
     /// A plain copy of the matrix on huge pages that every read uses instead of the file, for the
     /// matmul weights that have no repacked copy.
@@ -69,18 +71,38 @@ impl CpuWeight {
         }))
     }
 
-    /// The x4-packed Q6_K bytes for decode, packing on first use; `None` for other types and
-    /// shapes, and where this CPU has no x4 kernel.
-    pub fn packed_q6k(&self, pool: &ThreadPool) -> Option<&[u8]> {
-        if self.ty != GgmlType::Q6K
-            || !q6k_x4::packable(self.rows, self.cols)
-            || crate::kernels::cpu::simd::dot_x4(self.ty).is_none()
+    /// Where this matrix's Q6_K decode copy keeps its blocks ([`q6k_x16::Layout::File`]: no
+    /// copy, for other types and shapes and where this CPU has no x4 or x16 kernel).
+    pub fn q6k_layout(&self) -> q6k_x16::Layout {
+        use q6k_x16::Layout;
+        if self.ty != GgmlType::Q6K {
+            Layout::File
+        } else if q6k_x16::applies(self.rows, self.cols) {
+            Layout::X16
+        } else if q6k_x4::packable(self.rows, self.cols)
+            && crate::kernels::cpu::simd::dot_x4(self.ty).is_some()
         {
+            Layout::X4
+        } else {
+            Layout::File
+        }
+    }
+
+    /// The packed Q6_K bytes for decode (x16 units at the AVX-512 level, else x4 groups; see
+    /// [`Self::q6k_layout`]), packing on first use; `None` where there is no copy.
+    pub fn packed_q6k(&self, pool: &ThreadPool) -> Option<&[u8]> {
+        let layout = self.q6k_layout();
+        if layout == q6k_x16::Layout::File {
             return None;
         }
         Some(self.packed.get_or_init(|| {
             self.arena.alloc(self.bytes().len(), |out| {
-                q6k_x4::pack_into(pool, self.bytes(), self.rows, self.cols, out)
+                let (src, rows, cols) = (self.bytes(), self.rows, self.cols);
+                if layout == q6k_x16::Layout::X16 {
+                    q6k_x16::pack_into(pool, src, rows, cols, out)
+                } else {
+                    q6k_x4::pack_into(pool, src, rows, cols, out)
+                }
             })
         }))
     }

@@ -24,6 +24,7 @@
 use crate::format::GgmlType;
 use crate::kernels::cpu::backend::{CpuAct, CpuWeight};
 use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::q6k_x16::Layout;
 use crate::kernels::cpu::q6k_x8;
 use crate::kernels::cpu::q80_gemm;
 use crate::kernels::cpu::simd;
@@ -110,9 +111,11 @@ fn matmul_quantized(
         let done = q80_gemm::matmul(pool, w.ty, w.bytes(), rows, cols, xq, n, &mut out.data);
         matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
     } else if !invariant && w.ty == GgmlType::Q6K && q6k_x8::applies(rows, cols, n) {
-        // From the x4 copy where there is one (huge pages; the file's pages are released).
-        let (src, x4) = w.packed_q6k(pool).map_or((w.bytes(), false), |p| (p, true));
-        let done = q6k_x8::matmul(pool, src, x4, rows, cols, xq, n, &mut out.data);
+        // From the packed copy where there is one (huge pages; the file's pages are released).
+        let (src, layout) = w
+            .packed_q6k(pool)
+            .map_or((w.bytes(), Layout::File), |p| (p, w.q6k_layout()));
+        let done = q6k_x8::matmul(pool, src, layout, rows, cols, xq, n, &mut out.data);
         matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
     } else {
         matmul_rows(pool, w, xq, a_bytes, n, 0, out, invariant);
@@ -167,6 +170,12 @@ fn decode_many(pool: &ThreadPool, jobs: &mut [(&CpuWeight, &mut CpuAct)], xq: &[
 /// [`DECODE_UNIT`]).
 fn decode_rows_of(w: &CpuWeight, packed: Option<&[u8]>, xq: &[u8], r0: usize, out: &mut [f32]) {
     let r1 = r0 + out.len();
+    if let Some(p) = packed.filter(|_| w.q6k_layout() == Layout::X16) {
+        // Whole units of sixteen rows (`DECODE_UNIT`) from byte r0 * row_bytes on.
+        let p = &p[r0 * w.row_bytes..r1 * w.row_bytes];
+        crate::kernels::cpu::q6k_x16::gemv(w.cols, p, xq, out);
+        return;
+    }
     if let (Some(p), Some(x4)) = (packed, simd::dot_x4(w.ty)) {
         // The x4 layout: rows r0..r1 are whole groups of four from byte r0 * row_bytes on.
         x4(w.cols, &p[r0 * w.row_bytes..r1 * w.row_bytes], xq, out);

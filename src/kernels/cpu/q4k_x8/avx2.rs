@@ -13,7 +13,7 @@ use crate::kernels::cpu::simd::avx2::{bcast32, ld};
 
 use super::{A_BYTES, BLOCK_BYTES, GROUP};
 
-/// How far ahead decode prefetches, in bytes (eight blocks: the AVX-512 kernel's distance).
+/// How far ahead decode prefetches, in bytes (eight x8 blocks).
 const PREFETCH: usize = 8 * BLOCK_BYTES;
 /// Cache lines of one block (18, of its 32 steps).
 const LINES: usize = BLOCK_BYTES / 64;

@@ -18,8 +18,8 @@ use super::{A_BYTES, BLOCK_BYTES, GROUP};
 
 /// Weight rows per unit.
 const R: usize = 2 * GROUP;
-/// How far ahead decode prefetches, in bytes (four unit blocks).
-const PREFETCH: usize = 8 * BLOCK_BYTES;
+/// How far ahead decode prefetches, in bytes (two unit blocks).
+const PREFETCH: usize = 4 * BLOCK_BYTES;
 /// Cache lines of one unit block (36: one per step of its 32, four steps taking two).
 const LINES: usize = 2 * BLOCK_BYTES / 64;
 const _: () = assert!(LINES > 32 && LINES - 32 <= 32);
@@ -137,7 +137,7 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
             for s in 0..8 {
                 if !PAIR {
                     // The GEMV flavour (decode, and the row-invariant verify of up to four
-                    // rows) streams the packed weights once: prefetch into L2 four blocks
+                    // rows) streams the packed weights once: prefetch into L2 two unit blocks
                     // ahead (past the unit's end too, into the next unit of the same stream;
                     // prefetches never fault), one line per step, spread over the block's
                     // arithmetic. Issued as one burst of 36 at the block's start, they stall

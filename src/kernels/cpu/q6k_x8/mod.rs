@@ -22,6 +22,7 @@
 //! kernels are held to, bit for bit.
 
 use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::q6k_x16::{self, unpack_file_block, Layout};
 use crate::kernels::cpu::SharedMut;
 
 #[cfg(target_arch = "x86_64")]
@@ -50,57 +51,86 @@ pub fn applies(rows: usize, cols: usize, n: usize) -> bool {
     n >= 8 && rows >= GROUP && cols.is_multiple_of(256)
 }
 
-/// The 256 values (0..64) of one Q6_K block.
-fn unpack_block(x: &[u8], q: &mut [u8; 256]) {
-    for h in 0..2 {
-        let (ql, qh) = (&x[64 * h..64 * h + 64], &x[128 + 32 * h..128 + 32 * h + 32]);
-        for l in 0..32 {
-            let e = 128 * h + l;
-            q[e] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
-            q[e + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
-            q[e + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-            q[e + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+/// Packs eight rows (`src`: 8 rows of `nb` file blocks) into `panel` (`nb` panel blocks).
+pub fn pack_group(src: &[u8], nb: usize, panel: &mut [u8]) {
+    pack_rows(src, Layout::File, nb, GROUP, panel);
+}
+
+/// Packs sixteen rows (`src`: 16 rows of `nb` blocks, laid out as `layout` says) into a wide
+/// `panel` (`nb` blocks).
+pub fn pack_wide(src: &[u8], layout: Layout, nb: usize, panel: &mut [u8]) {
+    if layout == Layout::X16 {
+        pack_wide_x16(src, nb, panel);
+    } else {
+        pack_rows(src, layout, nb, WIDE, panel);
+    }
+}
+
+/// [`pack_wide`] from one x16 unit: its chunks' vectors are the wide panel's value rows as they
+/// are (four values of each of the sixteen rows), so they are unpacked straight into place.
+fn pack_wide_x16(src: &[u8], nb: usize, panel: &mut [u8]) {
+    use crate::kernels::cpu::q6k_x16::{unpack_chunk, BLOCK_BYTES, QUANTS, SCALES};
+    let mut v = [[0u8; 64]; 4];
+    for b in 0..nb {
+        let x = &src[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
+        let o = &mut panel[b * WIDE_BLOCK..(b + 1) * WIDE_BLOCK];
+        for c in 0..WIDE {
+            let d = half::f16::from_le_bytes([x[2 * c], x[2 * c + 1]]).to_f32();
+            o[4 * c..4 * c + 4].copy_from_slice(&d.to_le_bytes());
+            for sb in 0..16 {
+                o[4 * WIDE + WIDE * sb + c] = x[SCALES + 32 * (sb / 2) + 2 * c + sb % 2];
+            }
+        }
+        for k in 0..16 {
+            unpack_chunk(&x[QUANTS + 192 * k..QUANTS + 192 * (k + 1)], &mut v);
+            for (j, vj) in v.iter().enumerate() {
+                let at = 20 * WIDE + 64 * (4 * k + j);
+                o[at..at + 64].copy_from_slice(vj);
+            }
         }
     }
 }
 
-/// Packs eight rows (`src`: 8 rows of `nb` file blocks) into `panel` (`nb` panel blocks).
-pub fn pack_group(src: &[u8], nb: usize, panel: &mut [u8]) {
-    pack_rows(src, false, nb, GROUP, panel);
-}
-
-/// Packs sixteen rows (`src`: 16 rows of `nb` blocks, in the x4 layout of `q6k_x4` if `x4`) into
-/// a wide `panel` (`nb` blocks).
-pub fn pack_wide(src: &[u8], x4: bool, nb: usize, panel: &mut [u8]) {
-    pack_rows(src, x4, nb, WIDE, panel);
-}
-
-/// Where block `b` of row `c` of a run of rows starts: in the file layout (`nb` blocks a row), or
-/// in the x4 layout of `q6k_x4` (the run starting at a group of four).
-fn block_at(x4: bool, nb: usize, c: usize, b: usize) -> usize {
-    if x4 {
-        crate::kernels::cpu::q6k_x4::block_offset(nb, c, b)
-    } else {
-        (c * nb + b) * W_BYTES
+/// Row `c`'s block `b` of a run of rows (the run starting at a group of four in the x4 layout, at
+/// a unit in the x16 one): its `d`, its scales and its 256 values into `q`.
+fn read_block(
+    src: &[u8],
+    layout: Layout,
+    nb: usize,
+    c: usize,
+    b: usize,
+    q: &mut [u8; 256],
+) -> (f32, [i8; 16]) {
+    let file_block = |at: usize, q: &mut [u8; 256]| {
+        let x = &src[at..at + W_BYTES];
+        unpack_file_block(x, q);
+        let d = half::f16::from_le_bytes([x[208], x[209]]).to_f32();
+        (d, std::array::from_fn(|s| x[192 + s] as i8))
+    };
+    match layout {
+        Layout::File => file_block((c * nb + b) * W_BYTES, q),
+        Layout::X4 => file_block(crate::kernels::cpu::q6k_x4::block_offset(nb, c, b), q),
+        Layout::X16 => {
+            use crate::kernels::cpu::q6k_x16::{BLOCK_BYTES, R};
+            let at = (c / R * nb + b) * BLOCK_BYTES;
+            q6k_x16::read_block(&src[at..at + BLOCK_BYTES], c % R, q)
+        }
     }
 }
 
-/// `r` rows (8 or 16; in the x4 layout if `x4`) into panel blocks of `276r` bytes: both panel
+/// `r` rows (8 or 16, laid out as `layout` says) into panel blocks of `276r` bytes: both panel
 /// layouts are this one (`d` at 0, scales at `4r`, values at `20r`) for their row count.
-fn pack_rows(src: &[u8], x4: bool, nb: usize, r: usize, panel: &mut [u8]) {
+fn pack_rows(src: &[u8], layout: Layout, nb: usize, r: usize, panel: &mut [u8]) {
     let block = 276 * r;
     let mut q = [0u8; 256];
     for b in 0..nb {
         let o = &mut panel[b * block..(b + 1) * block];
         for c in 0..r {
-            let at = block_at(x4, nb, c, b);
-            let x = &src[at..at + W_BYTES];
-            let d = half::f16::from_le_bytes([x[208], x[209]]).to_f32();
+            let (d, scales) = read_block(src, layout, nb, c, b, &mut q);
             o[4 * c..4 * c + 4].copy_from_slice(&d.to_le_bytes());
-            for sb in 0..16 {
-                o[4 * r + r * sb + c] = x[192 + sb];
+            for (sb, s) in scales.iter().enumerate() {
+                o[4 * r + r * sb + c] = *s as u8;
             }
-            unpack_block(x, &mut q);
             for (e4, v) in q.chunks_exact(4).enumerate() {
                 let at = 20 * r + 4 * r * e4 + 4 * c;
                 o[at..at + 4].copy_from_slice(v);
@@ -116,13 +146,13 @@ fn wide() -> bool {
 }
 
 /// `out (n × rows)` columns `0..rows / 8 * 8` of `x · Wᵀ` for a Q6_K matrix `w` (`rows × cols`,
-/// in the file layout, or in the x4 layout of `q6k_x4` if `x4`) and `n` Q8_K activation rows
+/// laid out as `layout` says) and `n` Q8_K activation rows
 /// `xq`; returns how many rows it computed (the rest, fewer than eight, are the caller's).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     pool: &ThreadPool,
     w: &[u8],
-    x4: bool,
+    layout: Layout,
     rows: usize,
     cols: usize,
     xq: &[u8],
@@ -148,7 +178,7 @@ pub fn matmul(
             if step == 2 && g + 1 < groups {
                 pack_wide(
                     &w[g * GROUP * row_bytes..(g + 2) * GROUP * row_bytes],
-                    x4,
+                    layout,
                     nb,
                     &mut panel,
                 );
@@ -172,7 +202,7 @@ pub fn matmul(
             let panel = &mut panel[..nb * PANEL_BLOCK];
             pack_rows(
                 &w[g * GROUP * row_bytes..(g + 1) * GROUP * row_bytes],
-                x4,
+                layout,
                 nb,
                 GROUP,
                 panel,

@@ -24,13 +24,36 @@ fn panel_kernel_matches_twin_and_tiled_matmul() {
     let a_row = nb * A_BYTES;
     let pool = ThreadPool::new(2);
     let mut out = vec![f32::NAN; n * rows];
-    assert_eq!(matmul(&pool, &w, false, rows, cols, &a, n, &mut out), 24);
+    assert_eq!(
+        matmul(&pool, &w, Layout::File, rows, cols, &a, n, &mut out),
+        24
+    );
     // The same matrix in the x4 layout gives the same bits.
     let x4 = crate::kernels::cpu::q6k_x4::pack(&pool, &w, rows, cols);
     let mut out_x4 = vec![f32::NAN; n * rows];
-    assert_eq!(matmul(&pool, &x4, true, rows, cols, &a, n, &mut out_x4), 24);
+    assert_eq!(
+        matmul(&pool, &x4, Layout::X4, rows, cols, &a, n, &mut out_x4),
+        24
+    );
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&out_x4[..]), bits(&out[..]), "x4 source");
+    // And the first sixteen rows in the x16 layout.
+    let w16 = &w[..16 * nb * 210];
+    let mut x16 = vec![0u8; w16.len()];
+    crate::kernels::cpu::q6k_x16::pack_into(&pool, w16, 16, cols, &mut x16);
+    let mut out_x16 = vec![f32::NAN; n * 16];
+    assert_eq!(
+        matmul(&pool, &x16, Layout::X16, 16, cols, &a, n, &mut out_x16),
+        16
+    );
+    for t in 0..n {
+        let want = &out[t * rows..t * rows + 16];
+        assert_eq!(
+            bits(&out_x16[t * 16..(t + 1) * 16]),
+            bits(want),
+            "x16 source, row {t}"
+        );
+    }
     let mut panel = vec![0u8; nb * PANEL_BLOCK];
     for g in 0..3 {
         pack_group(&w[g * 8 * nb * 210..(g + 1) * 8 * nb * 210], nb, &mut panel);

@@ -1,0 +1,106 @@
+//! AVX-512 kernel over one x16 unit of packed Q6_K (the layout and why: the parent module).
+//!
+//! Per unit block and 32-value group `g`: the rows' scale pairs `(s[2g], s[2g + 1])` widened to
+//! words, duplicated into `(s[2g + h], s[2g + h])` dwords for the two 16-value halves; per half,
+//! three loads give four vectors of values (`V_j`), each meeting its four activation bytes through
+//! `vpmaddubsw` (pair sums, below 2^15: values < 64, activations ≥ -128) and `vpdpwssd` by the
+//! scales into lane `4h + j`'s accumulator; then `-32 · (bsum[2g] · s[2g] + bsum[2g + 1] · s[2g + 1])`
+//! into lane `g`'s (after the groups). Those are the exact integers of the AVX2 kernel's eight lanes; the block's
+//! `fma`s and the final sum are its float steps, lane for lane.
+
+use std::arch::x86_64::*;
+
+use super::{BLOCK_BYTES, QUANTS, R, SCALES};
+use crate::kernels::cpu::simd::avx2::rd_f32;
+use crate::kernels::cpu::simd::avx512::{bcast32x16, ld2x256};
+
+/// Bytes of one Q8_K activation block, and where its values and its 16-value sums start.
+const A_BYTES: usize = 292;
+const A_QS: usize = 4;
+const A_BSUMS: usize = 260;
+/// How far ahead decode prefetches into L1, in bytes.
+const PREFETCH: usize = BLOCK_BYTES;
+/// Cache lines of one unit block (53), prefetched seven per group `g` (the last three into the
+/// next block).
+const LINES: usize = BLOCK_BYTES.div_ceil(64);
+const _: () = assert!(LINES <= 8 * 7 && R == 16);
+
+/// Sixteen outputs (`out`) of one x16 unit (`w`: `nb` unit blocks) against one activation row
+/// (`a`: `nb` Q8_K blocks).
+///
+/// # Safety
+/// The AVX-512 level is available (AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI); `w` points at `nb`
+/// unit blocks, `a` at `nb` Q8_K blocks, `out` at 16 writable floats.
+#[allow(clippy::needless_range_loop)] // lanes index several arrays at once
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f32) {
+    let m0f = _mm512_set1_epi8(0x0F);
+    let m30 = _mm512_set1_epi8(0x30);
+    // `vpshufb` controls (per 128-bit lane) copying each dword's low word, or its high word, to
+    // both of its words.
+    let dup = |w: i32| {
+        let d = |k: i32| (4 * k + 2 * w) | ((4 * k + 2 * w + 1) << 8);
+        let v = |k: i32| d(k) | (d(k) << 16);
+        _mm512_set4_epi32(v(3), v(2), v(1), v(0))
+    };
+    let (dup_lo, dup_hi) = (dup(0), dup(1));
+    let neg32 = _mm512_set1_epi16(-32);
+    let mut f = [_mm512_setzero_ps(); 8];
+    for b in 0..nb {
+        let x = w.add(b * BLOCK_BYTES);
+        let ya = a.add(b * A_BYTES);
+        let mut acc = [_mm512_setzero_si512(); 8];
+        for g in 0..8 {
+            for k in 7 * g..7 * g + 7 {
+                _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + 64 * k).cast());
+            }
+            // Keeps the compiler from gathering the prefetches back into one burst.
+            std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+            let sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256(x.add(SCALES + 32 * g).cast()));
+            let s = [
+                _mm512_shuffle_epi8(sp, dup_lo),
+                _mm512_shuffle_epi8(sp, dup_hi),
+            ];
+            for h in 0..2 {
+                let c = x.add(QUANTS + 192 * (2 * g + h));
+                let (zl1, zl2, zh) = (ld2x256(c), ld2x256(c.add(64)), ld2x256(c.add(128)));
+                let lo = |v: __m512i| _mm512_and_si512(v, m0f);
+                let top = |v: __m512i| _mm512_and_si512(v, m30);
+                let v = [
+                    _mm512_or_si512(lo(zl1), top(zh)),
+                    _mm512_or_si512(
+                        lo(_mm512_srli_epi16::<4>(zl1)),
+                        top(_mm512_slli_epi16::<2>(zh)),
+                    ),
+                    _mm512_or_si512(lo(zl2), top(_mm512_slli_epi16::<4>(zh))),
+                    _mm512_or_si512(
+                        lo(_mm512_srli_epi16::<4>(zl2)),
+                        top(_mm512_srli_epi16::<2>(zh)),
+                    ),
+                ];
+                for j in 0..4 {
+                    let l = 4 * h + j;
+                    let y = bcast32x16(ya.add(A_QS + 32 * g + 4 * l));
+                    let p = _mm512_maddubs_epi16(v[j], y);
+                    acc[l] = _mm512_dpwssd_epi32(acc[l], p, s[h]);
+                }
+            }
+        }
+        // The offset, lane by lane (a loop of its own: indexing the lanes by `g` above would
+        // keep them in memory).
+        for l in 0..8 {
+            let sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256(x.add(SCALES + 32 * l).cast()));
+            let bs = bcast32x16(ya.add(A_BSUMS + 4 * l));
+            acc[l] = _mm512_dpwssd_epi32(acc[l], bs, _mm512_mullo_epi16(sp, neg32));
+        }
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(x.cast()));
+        let d = _mm512_mul_ps(_mm512_set1_ps(rd_f32(ya)), dw);
+        for l in 0..8 {
+            f[l] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(acc[l]), f[l]);
+        }
+    }
+    // `hsum_float_8`'s order, every row at once: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+    let r: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(f[i + 4], f[i]));
+    let sum = _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]));
+    _mm512_storeu_ps(out, sum);
+}

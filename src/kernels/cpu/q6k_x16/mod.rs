@@ -1,0 +1,205 @@
+//! Q6_K matrices repacked sixteen rows at a time ("x16") for the AVX-512 decode kernel.
+//!
+//! The file's Q6_K blocks make a one-row kernel unpack each block's 6-bit values, fetch each
+//! 16-value run's scale with a permute, and fold, offset and convert eight lanes per block and row:
+//! about twice the vector instructions per byte of the Q4_K kernel, which on a fast memory system
+//! leaves Q6_K matmuls short of the bandwidth. In this layout one 64-byte vector holds four values
+//! of each of sixteen rows (row `r` in dword `r`), so four activation bytes broadcast to all lanes
+//! meet sixteen rows at once (`vpmaddubsw`, then `vpdpwssd` by the rows' scales), each lane of
+//! ggml's eight-lane block sum has an accumulator of its own (lane `l` of all sixteen rows in one
+//! register), and the scales, the `-32` offset and the block's float step cost a few instructions
+//! per sixteen rows instead of per row.
+//!
+//! Layout of one unit block (sixteen rows × 256 columns, [`BLOCK_BYTES`] = 16 × 210 bytes, the
+//! file's size):
+//! - `@0`: the rows' `d` (f16), row `r` at `2r`;
+//! - `@32` ([`SCALES`]): the scales in pairs: scales `2p, 2p + 1` of row `r` at `32 + 32p + 2r`;
+//! - `@288` ([`QUANTS`]): sixteen chunks of 192 bytes, chunk `k = 2g + h` holding the four
+//!   vectors `V_j` (`j` in 0..4) of values `32g + 4(4h + j) + e` (`e` in 0..4) of every row, byte
+//!   `i = 4r + e` of a vector: its low nibble at byte `i` of `ZL1` (`V_0`, bits 0-3; `V_1`, bits
+//!   4-7) or `ZL2` (`V_2`, `V_3`), its top two bits at byte `i` of `ZH` (bits 4-5 for `V_0`, 2-3
+//!   for `V_1`, 0-1 for `V_2`, 6-7 for `V_3`), `ZL1`, `ZL2`, `ZH` at `0, 64, 128` in the chunk.
+//!
+//! Units follow each other (`u * nb + b`), so decode reads one linear stream. The integer lanes
+//! are exactly those of `ggml_vec_dot_q6_K_q8_K`'s AVX2 kernel and the float steps are its
+//! lane-wise `fma`s and its final horizontal sum, so every output is bit-identical to the row
+//! kernel (`simd`), which the tests hold it to. The prefill GEMM (`q6k_x8`) builds its panels
+//! from this copy through [`read_block`].
+//!
+//! Invariant: a matrix is packed only when [`applies`] (the AVX-512 level, `rows % 16 == 0`,
+//! `cols % 256 == 0`), and that is fixed for the process.
+
+use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::SharedMut;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(test)]
+mod tests;
+
+/// Weight rows per unit.
+pub const R: usize = 16;
+/// Bytes of one Q6_K file block.
+const W_BYTES: usize = 210;
+/// Bytes of one unit block.
+pub const BLOCK_BYTES: usize = R * W_BYTES;
+/// Offset of the scale pairs in a unit block.
+pub const SCALES: usize = 2 * R;
+/// Offset of the value chunks in a unit block.
+pub const QUANTS: usize = SCALES + 16 * R;
+const _: () = assert!(QUANTS + 16 * 192 == BLOCK_BYTES);
+
+/// Where a Q6_K matrix's decode copy keeps its blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// The file's rows.
+    File,
+    /// `q6k_x4`: groups of four rows, blocks interleaved.
+    X4,
+    /// This module's units of sixteen rows.
+    X16,
+}
+
+/// Whether this process packs a `rows × cols` Q6_K matrix into x16 units (fixed per process, like
+/// the SIMD level).
+pub fn applies(rows: usize, cols: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernels::cpu::simd::{current, Level};
+        rows > 0 && rows.is_multiple_of(R) && cols.is_multiple_of(256) && current() >= Level::Avx512
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (rows, cols);
+        false
+    }
+}
+
+/// Where value `e` (0..256) of row `r` of a unit block lives: (byte of its low nibble, that
+/// nibble's shift, byte of its top two bits, their shift). The one place the layout is spelled out.
+fn value_at(r: usize, e: usize) -> (usize, u32, usize, u32) {
+    let (g, l) = (e / 32, (e % 32) / 4);
+    let (h, j) = (l / 4, l % 4);
+    let chunk = QUANTS + 192 * (2 * g + h);
+    let i = 4 * r + e % 4;
+    let hi_shift = [4, 2, 0, 6][j];
+    (
+        chunk + 64 * (j / 2) + i,
+        4 * (j % 2) as u32,
+        chunk + 128 + i,
+        hi_shift,
+    )
+}
+
+/// The 256 values (0..64) of one file block.
+pub(crate) fn unpack_file_block(x: &[u8], q: &mut [u8; 256]) {
+    for h in 0..2 {
+        let (ql, qh) = (&x[64 * h..64 * h + 64], &x[128 + 32 * h..128 + 32 * h + 32]);
+        for l in 0..32 {
+            let e = 128 * h + l;
+            q[e] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+            q[e + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+            q[e + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            q[e + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+}
+
+/// Sixteen file rows' block `b` (`src`: rows of `nb` blocks) into one unit block (`out`).
+fn pack_block(src: &[u8], nb: usize, b: usize, out: &mut [u8]) {
+    let mut q = [0u8; 256];
+    for r in 0..R {
+        let at = (r * nb + b) * W_BYTES;
+        let x = &src[at..at + W_BYTES];
+        out[2 * r..2 * r + 2].copy_from_slice(&x[208..210]);
+        for s in 0..16 {
+            out[SCALES + 32 * (s / 2) + 2 * r + s % 2] = x[192 + s];
+        }
+        unpack_file_block(x, &mut q);
+        for (e, &v) in q.iter().enumerate() {
+            let (lo, ls, hi, hs) = value_at(r, e);
+            out[lo] |= (v & 0xF) << ls;
+            out[hi] |= (v >> 4) << hs;
+        }
+    }
+}
+
+/// The four vectors `V_0..V_3` (values 0..64, byte `4r + e`) of one 192-byte chunk: what the
+/// kernel unpacks, for the prefill panels.
+pub fn unpack_chunk(c: &[u8], v: &mut [[u8; 64]; 4]) {
+    let (zl1, zl2, zh) = (&c[..64], &c[64..128], &c[128..192]);
+    for i in 0..64 {
+        let (l1, l2, h) = (zl1[i], zl2[i], zh[i]);
+        v[0][i] = (l1 & 0xF) | (h & 0x30);
+        v[1][i] = (l1 >> 4) | ((h << 2) & 0x30);
+        v[2][i] = (l2 & 0xF) | ((h << 4) & 0x30);
+        v[3][i] = (l2 >> 4) | ((h >> 2) & 0x30);
+    }
+}
+
+/// Row `r` (0..16) of a unit block: its `d`, its sixteen scales and its 256 values (0..64).
+pub fn read_block(unit_block: &[u8], r: usize, q: &mut [u8; 256]) -> (f32, [i8; 16]) {
+    let x = unit_block;
+    let d = half::f16::from_le_bytes([x[2 * r], x[2 * r + 1]]).to_f32();
+    let scales = std::array::from_fn(|s| x[SCALES + 32 * (s / 2) + 2 * r + s % 2] as i8);
+    for (e, v) in q.iter_mut().enumerate() {
+        let (lo, ls, hi, hs) = value_at(r, e);
+        *v = ((x[lo] >> ls) & 0xF) | (((x[hi] >> hs) & 3) << 4);
+    }
+    (d, scales)
+}
+
+/// Packs a Q6_K matrix (`src`: `rows` file rows of `cols / 256` blocks) into `out` (the same
+/// size), units split across the pool. Panics unless `rows % 16 == 0`, `cols % 256 == 0` and the
+/// sizes match.
+pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
+    assert!(
+        rows.is_multiple_of(R) && cols.is_multiple_of(256),
+        "{rows}x{cols} is not x16-packable"
+    );
+    let nb = cols / 256;
+    let unit = R * nb * W_BYTES;
+    assert_eq!(src.len(), rows * nb * W_BYTES, "Q6_K matrix bytes");
+    assert_eq!(out.len(), src.len(), "packed bytes");
+    let dst = SharedMut(out.as_mut_ptr());
+    pool.for_range(rows / R, 16, |range| {
+        for u in range {
+            // SAFETY: unit u's bytes `u * unit .. (u + 1) * unit` lie inside `out` (u < rows / 16)
+            // and belong to this chunk only, so no two threads alias them.
+            let o = unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(u * unit), unit) };
+            o.fill(0);
+            for b in 0..nb {
+                let ob = &mut o[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
+                pack_block(&src[u * unit..(u + 1) * unit], nb, b, ob);
+            }
+        }
+    });
+}
+
+/// One activation row (`xq`: `cols / 256` Q8_K blocks) against the x16 units in `w` (whole units
+/// of a packed matrix): `out[i]` = packed row `i`, as the row kernel computes it.
+pub fn gemv(cols: usize, w: &[u8], xq: &[u8], out: &mut [f32]) {
+    let nb = cols / 256;
+    let unit = nb * BLOCK_BYTES;
+    assert!(
+        cols.is_multiple_of(256) && w.len().is_multiple_of(unit),
+        "whole units"
+    );
+    assert_eq!(out.len(), w.len() / unit * R, "one output per row");
+    assert!(xq.len() >= nb * 292, "activation bytes");
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernels::cpu::simd::{current, Level};
+        assert!(
+            current() >= Level::Avx512,
+            "the x16 layout is only packed at the AVX-512 level"
+        );
+        for (u, o) in out.chunks_exact_mut(R).enumerate() {
+            // SAFETY: the AVX-512 level is available (asserted); unit u's `nb` blocks lie inside
+            // `w`, the activation row's `nb` Q8_K blocks inside `xq`, and `o` has 16 slots.
+            unsafe { avx512::dot_unit(nb, w.as_ptr().add(u * unit), xq.as_ptr(), o.as_mut_ptr()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("the x16 layout is only packed at the AVX-512 level");
+}
