@@ -190,19 +190,21 @@ unsafe fn signed_q8_0_wrows4(
     *out.add(3) = hsum_float_8(c3);
 }
 
-/// Prefetches what a four-row decode kernel reads for block `b` two runs ahead. The four rows
+/// Prefetches what a four-row decode kernel reads for block `b` four runs ahead. The four rows
 /// (`w`, `row_bytes` apart, `wbytes`-byte blocks) are one contiguous run of `4 * row_bytes`
 /// bytes, short streams the hardware prefetcher does not pick up: each block step prefetches the
-/// matching part of the run after the next, into L2 (T1: a few percent faster decode than into L1
-/// on the development machine; two runs ahead rather than one: Gemma-3-270M's Q5_0 decode
-/// matmuls 14.1 → 15.7-16.1 GB/s, its Q8_0 head 20.2 → 20.6 GB/s; four runs ahead: the same as
-/// two). Never faults (prefetches are hints; the address may lie past the weights).
+/// matching part of the fourth run after this one, into L1. On the AMD EPYC development machine
+/// (a 178 MB Q8_0 matrix of Gemma-3's head shape on two threads, variants alternated in one
+/// process while the probe read 72-81 GB/s) that streamed 74-97 GB/s, two runs ahead into L2
+/// 63-69 (the earlier choice, made on an Intel Xeon, where into L2 was a few percent faster),
+/// three runs into L1 71-93; the Q5_0 kernel 48.6 against 37.2 GB/s. Never faults (prefetches
+/// are hints; the address may lie past the weights).
 #[inline(always)]
 pub(crate) fn prefetch_run_ahead(w: *const u8, wbytes: usize, row_bytes: usize, b: usize) {
-    let pf = w.wrapping_add(8 * row_bytes + b * 4 * wbytes);
+    let pf = w.wrapping_add(16 * row_bytes + b * 4 * wbytes);
     for l in 0..(4 * wbytes).div_ceil(64) {
         // SAFETY: a prefetch is only a hint and never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(64 * l).cast()) };
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * l).cast()) };
     }
 }
 
