@@ -99,6 +99,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         name: "bandwidth".into(),
         runs: Vec::new(),
     };
+    // Per tg repetition: tokens/s × bytes per token ÷ the bandwidth around it.
+    let mut efficiency = Summary {
+        name: "decode efficiency".into(),
+        runs: Vec::new(),
+    };
 
     // a fresh sequence at `depth`: prefill the depth tokens, return the sequence
     let fresh =
@@ -141,15 +146,23 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             pp.runs.push(a.n_prompt as f64 / t0.elapsed().as_secs_f64());
             runner.release(&mut seq);
         }
-        bandwidth.runs.push(measure_bandwidth(&runner)?);
+        let before = measure_bandwidth(&runner)?;
+        bandwidth.runs.push(before);
         if a.n_gen > 0 {
             let mut seq = fresh(&mut runner, &mut rng)?;
             let t0 = Instant::now();
             for _ in 0..a.n_gen {
                 runner.extend(&mut seq, &[rng.next(vocab)])?;
             }
-            tg.runs.push(a.n_gen as f64 / t0.elapsed().as_secs_f64());
+            let tps = a.n_gen as f64 / t0.elapsed().as_secs_f64();
+            tg.runs.push(tps);
             runner.release(&mut seq);
+            // Held against the bandwidth read just before and just after this repetition: the
+            // machine's bandwidth can drift between repetitions (a shared VM's did by 1.7x within
+            // a minute), and a median speed over a median bandwidth would mix its states.
+            let after = measure_bandwidth(&runner)?;
+            bandwidth.runs.push(after);
+            efficiency.runs.push(tps * bpt as f64 / 1e9 / ((before + after) / 2.0));
         }
         if progress {
             eprint!("\rinfer: bench repetition {}/{}", rep + 1, a.reps);
@@ -163,7 +176,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .filter(|s| !s.runs.is_empty())
         .collect();
     let bw = bandwidth.median();
-    let efficiency = (!tg.runs.is_empty()).then(|| tg.median() * bpt as f64 / 1e9 / bw);
+    let eff = (!efficiency.runs.is_empty()).then(|| efficiency.median());
     let name = a.model.model.display().to_string();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -186,7 +199,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "reps": a.reps,
                 "tests": rows,
                 "bandwidth_gbs": {"median": bw, "min": bandwidth.min(), "max": bandwidth.max(), "runs": bandwidth.runs},
-                "decode_efficiency": efficiency,
+                "decode_efficiency": eff,
+                "decode_efficiency_runs": efficiency.runs,
             })
         )?;
         return Ok(());
@@ -212,25 +226,27 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     writeln!(
         out,
-        "\n{} bandwidth (same run, {} reps): median {:.1} GB/s (min {:.1}, max {:.1})",
+        "\n{} bandwidth (same run, {} reads): median {:.1} GB/s (min {:.1}, max {:.1})",
         if gpu.is_some() {
             "GPU memory read+write"
         } else {
             "memory read"
         },
-        a.reps,
+        bandwidth.runs.len(),
         bw,
         bandwidth.min(),
         bandwidth.max()
     )?;
-    if let Some(e) = efficiency {
+    if let Some(e) = eff {
         writeln!(
             out,
-            "decode efficiency: {:.2} t/s × {:.3} GB/token ÷ {:.1} GB/s = {:.0}% of the bandwidth roofline",
-            tg.median(),
+            "decode efficiency: {:.0}% of the bandwidth roofline (median over {} repetitions of \
+             tg t/s × {:.3} GB/token ÷ the bandwidth read around each; {:.0}-{:.0}%)",
+            e * 100.0,
+            efficiency.runs.len(),
             bpt as f64 / 1e9,
-            bw,
-            e * 100.0
+            efficiency.min() * 100.0,
+            efficiency.max() * 100.0
         )?;
     }
     Ok(())
