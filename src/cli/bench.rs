@@ -162,7 +162,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             // a minute), and a median speed over a median bandwidth would mix its states.
             let after = measure_bandwidth(&runner)?;
             bandwidth.runs.push(after);
-            efficiency.runs.push(tps * bpt as f64 / 1e9 / ((before + after) / 2.0));
+            efficiency
+                .runs
+                .push(tps * bpt as f64 / 1e9 / ((before + after) / 2.0));
         }
         if progress {
             eprint!("\rinfer: bench repetition {}/{}", rep + 1, a.reps);

@@ -18,6 +18,7 @@ use crate::kernels::cpu::matmul;
 use crate::kernels::cpu::ops;
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::q4k_x8;
+use crate::kernels::cpu::q5_0_x16;
 use crate::kernels::cpu::q6k_x16;
 use crate::kernels::cpu::q6k_x4;
 use crate::model::backend::{
@@ -37,9 +38,9 @@ pub struct CpuWeight {
     /// Where the matrix starts in the tensor's data (a row range of a fused or stacked tensor).
     offset: usize,
     /// The repacked copy a matmul reads instead of the file's bytes: the x8 layout of a Q4_K
-    /// matrix (`q4k_x8`, every matmul) or the x16 or x4 layout of a Q6_K one (`q6k_x16`,
-    /// `q6k_x4`: decode and GEMM), built at load or on first use; embedding lookups always read
-    /// the file.
+    /// matrix (`q4k_x8`, every matmul), the x16 or x4 layout of a Q6_K one (`q6k_x16`,
+    /// `q6k_x4`: decode and GEMM) or the x16 layout of a Q5_0 one (`q5_0_x16`: decode only, next
+    /// to `resident`), built at load or on first use; embedding lookups always read the file.
     packed: OnceLock<Region>,
     /// A plain copy of the matrix on huge pages that every read uses instead of the file, for the
     /// matmul weights that have no repacked copy.
@@ -67,6 +68,19 @@ impl CpuWeight {
         Some(self.packed.get_or_init(|| {
             self.arena.alloc(self.bytes().len(), |out| {
                 q4k_x8::pack_into(pool, self.bytes(), self.rows, self.cols, out)
+            })
+        }))
+    }
+
+    /// The x16-packed Q5_0 bytes for decode (`q5_0_x16`, next to the plain copy that prefill
+    /// reads), packing on first use; `None` for other types and shapes and below the AVX-512 level.
+    pub fn packed_q5_0(&self, pool: &ThreadPool) -> Option<&[u8]> {
+        if self.ty != GgmlType::Q5_0 || !q5_0_x16::applies(self.rows, self.cols) {
+            return None;
+        }
+        Some(self.packed.get_or_init(|| {
+            self.arena.alloc(self.bytes().len(), |out| {
+                q5_0_x16::pack_into(pool, self.bytes(), self.rows, self.cols, out)
             })
         }))
     }
@@ -270,6 +284,8 @@ impl Backend for CpuBackend {
                     .alloc(w.bytes().len(), |out| out.copy_from_slice(w.bytes()));
                 w.file.release(w.bytes());
                 w.resident = Some(copy);
+                // Q5_0 decode reads an x16 copy besides (from the plain one).
+                w.packed_q5_0(&self.pool);
             }
         }
         Ok(w)

@@ -144,7 +144,11 @@ fn decode_many(pool: &ThreadPool, jobs: &mut [(&CpuWeight, &mut CpuAct)], xq: &[
     // Packing happens here, on the calling thread, not inside the region.
     let packed: Vec<Option<&[u8]>> = ws
         .iter()
-        .map(|w| w.packed_q4k(pool).or_else(|| w.packed_q6k(pool)))
+        .map(|w| {
+            w.packed_q4k(pool)
+                .or_else(|| w.packed_q6k(pool))
+                .or_else(|| w.packed_q5_0(pool))
+        })
         .collect();
     // One contiguous range per thread, not the pool's dynamic chunks: every chunk start is a
     // new stream that the prefetchers pick up late, and with one stream per thread Qwen's decode
@@ -174,6 +178,12 @@ fn decode_rows_of(w: &CpuWeight, packed: Option<&[u8]>, xq: &[u8], r0: usize, ou
         // Whole units of sixteen rows (`DECODE_UNIT`) from byte r0 * row_bytes on.
         let p = &p[r0 * w.row_bytes..r1 * w.row_bytes];
         crate::kernels::cpu::q6k_x16::gemv(w.cols, p, xq, out);
+        return;
+    }
+    if let Some(p) = packed.filter(|_| w.ty == GgmlType::Q5_0) {
+        // Whole units of sixteen rows (`DECODE_UNIT`) from byte r0 * row_bytes on.
+        let p = &p[r0 * w.row_bytes..r1 * w.row_bytes];
+        crate::kernels::cpu::q5_0_x16::gemv(w.cols, p, xq, out);
         return;
     }
     if let (Some(p), Some(x4)) = (packed, simd::dot_x4(w.ty)) {

@@ -10,6 +10,7 @@ pub mod membw;
 pub mod ops;
 pub mod pool;
 pub mod q4k_x8;
+pub mod q5_0_x16;
 pub mod q6k_x16;
 pub mod q6k_x4;
 pub mod q6k_x8;

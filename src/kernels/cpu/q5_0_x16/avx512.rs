@@ -1,0 +1,75 @@
+//! AVX-512 kernel over one x16 unit of packed Q5_0 (the layout and why: the parent module).
+//!
+//! Per unit block: each vector `V_l` is its plane's nibbles (shifted down for odd `l`) plus 16
+//! under the byte mask of its fifth bits (`vptestmb`), and lane `l`'s accumulator starts from the
+//! block's `-16 · Σ a` for that lane, so one `vpdpbusd` against the four activation bytes leaves
+//! the AVX2 kernel's exact lane integer for all sixteen rows; then its float step, lane for lane.
+
+use std::arch::x86_64::*;
+
+use super::{BLOCK_BYTES, FIFTH, NIBBLES, R};
+use crate::kernels::cpu::simd::avx512::{bcast32x16, ld2x256};
+
+/// Bytes of one Q8_0 activation block.
+const A_BYTES: usize = 34;
+/// How far ahead decode prefetches into L1, in bytes (eight unit blocks, about the distance of
+/// the four-row kernels' four runs ahead).
+const PREFETCH: usize = 8 * BLOCK_BYTES;
+/// Cache lines of one unit block (5.5), prefetched one per lane pair.
+const LINES: usize = BLOCK_BYTES.div_ceil(64);
+const _: () = assert!(LINES <= 8 && R == 16);
+
+/// Sixteen outputs (`out`) of one x16 unit (`w`: `nb` unit blocks) against one activation row
+/// (`a`: `nb` Q8_0 blocks, `starts`: `8 * nb` lane starts).
+///
+/// # Safety
+/// The AVX-512 level is available (AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI); `w` points at `nb`
+/// unit blocks, `a` at `nb` Q8_0 blocks, `starts` at `8 * nb` i32, `out` at 16 writable floats.
+#[allow(clippy::needless_range_loop)] // lanes index several arrays at once
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn dot_unit(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    starts: *const i32,
+    out: *mut f32,
+) {
+    let m0f = _mm512_set1_epi8(0x0F);
+    let c16 = _mm512_set1_epi8(16);
+    let mut f = [_mm512_setzero_ps(); 8];
+    for b in 0..nb {
+        let x = w.add(b * BLOCK_BYTES);
+        let ya = a.add(b * A_BYTES);
+        for k in 0..LINES {
+            _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + 64 * k).cast());
+        }
+        let fifth = ld2x256(x.add(FIFTH));
+        let mut acc = [_mm512_setzero_si512(); 8];
+        for p in 0..4 {
+            let plane = ld2x256(x.add(NIBBLES + 64 * p));
+            let nib = [
+                _mm512_and_si512(plane, m0f),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(plane), m0f),
+            ];
+            for h in 0..2 {
+                let l = 2 * p + h;
+                let bit = _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(1 << l));
+                let v = _mm512_mask_add_epi8(nib[h], bit, nib[h], c16);
+                let start = _mm512_set1_epi32(*starts.add(8 * b + l));
+                acc[l] = _mm512_dpbusd_epi32(start, v, bcast32x16(ya.add(2 + 4 * l)));
+            }
+        }
+        let da = half::f16::from_bits(u16::from_le_bytes([*ya, *ya.add(1)])).to_f32();
+        let d = _mm512_mul_ps(
+            _mm512_cvtph_ps(_mm256_loadu_si256(x.cast())),
+            _mm512_set1_ps(da),
+        );
+        for l in 0..8 {
+            f[l] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(acc[l]), f[l]);
+        }
+    }
+    // `hsum_float_8`'s order, every row at once: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+    let r: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(f[i + 4], f[i]));
+    let sum = _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]));
+    _mm512_storeu_ps(out, sum);
+}

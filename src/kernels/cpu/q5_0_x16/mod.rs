@@ -1,0 +1,182 @@
+//! Q5_0 matrices repacked sixteen rows at a time ("x16") for the AVX-512 decode kernel.
+//!
+//! The four-row kernel (`simd`) spends about ten vector instructions per 22-byte block and row
+//! (the fifth bits, one `vpdpbusd`, and a float step of eight lanes per row): one core computes it
+//! at about 26 GB/s in cache, so on a machine that streams 80 GB/s Gemma-3's Q5_0 matrices ran at
+//! half the bandwidth. Here one 64-byte vector holds four values of each of sixteen rows (row `r`
+//! in dword `r`), four activation bytes broadcast to all lanes meet them in one `vpdpbusd`, and
+//! each of ggml's eight lanes per block (four products each) has an accumulator holding that lane
+//! for all sixteen rows, so the offset, the conversion and the `fma` cost one instruction per lane
+//! per sixteen rows.
+//!
+//! Layout of one unit block (sixteen rows × 32 columns, [`BLOCK_BYTES`] = 16 × 22 bytes, the
+//! file's size): `@0` the rows' `d` (f16), row `r` at `2r`; `@32` four planes of 64 bytes, plane
+//! `p` holding the low nibbles of vectors `V_2p` (bits 0-3) and `V_2p+1` (bits 4-7); `@288` one
+//! plane of 64 bytes whose bit `v` of byte `i` is the fifth bit of `V_v`'s byte `i`. Vector `V_l`
+//! (`l` in 0..8) holds values `4l..4l + 4` of every row, value `4l + e` of row `r` at byte
+//! `4r + e`, as the stored 5-bit value (`q + 16`).
+//!
+//! The integers are exactly the AVX2 kernel's lanes (`Σ (q + 16)·a - 16·Σ a` per lane, activation
+//! codes within ±127 as the Q8_0 quantizer makes them) and the float steps are its lane-wise
+//! `fma`s (`d_w · d_a` rounded) and its final horizontal sum, so every output is bit-identical to
+//! the row kernel, which the tests hold it to. Prefill keeps reading the plain copy (`q80_gemm`):
+//! this copy is decode's, and costs the matrix's size once more.
+//!
+//! Invariant: a matrix is packed only when [`applies`] (the AVX-512 level, `rows % 16 == 0`,
+//! `cols % 32 == 0`), fixed for the process.
+
+use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::SharedMut;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(test)]
+mod tests;
+
+/// Weight rows per unit.
+pub const R: usize = 16;
+/// Bytes of one Q5_0 file block.
+const W_BYTES: usize = 22;
+/// Bytes of one unit block.
+pub const BLOCK_BYTES: usize = R * W_BYTES;
+/// Offsets of the nibble planes and of the fifth-bit plane in a unit block.
+const NIBBLES: usize = 2 * R;
+const FIFTH: usize = NIBBLES + 4 * 64;
+const _: () = assert!(FIFTH + 64 == BLOCK_BYTES);
+
+/// Whether this process packs a `rows × cols` Q5_0 matrix into x16 units for decode (fixed per
+/// process, like the SIMD level).
+pub fn applies(rows: usize, cols: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernels::cpu::simd::{current, Level};
+        rows > 0 && rows.is_multiple_of(R) && cols.is_multiple_of(32) && current() >= Level::Avx512
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (rows, cols);
+        false
+    }
+}
+
+/// Where value `e` (0..32) of row `r` of a unit block lives: (byte of its nibble, the nibble's
+/// shift, byte of its fifth bit, that bit). The one place the layout is spelled out.
+fn value_at(r: usize, e: usize) -> (usize, u32, usize, u32) {
+    let (l, i) = (e / 4, 4 * r + e % 4);
+    (
+        NIBBLES + 64 * (l / 2) + i,
+        4 * (l % 2) as u32,
+        FIFTH + i,
+        l as u32,
+    )
+}
+
+/// The stored 5-bit value (0..32) of value `e` of a file block.
+fn file_value(x: &[u8], e: usize) -> u8 {
+    let qh = u32::from_le_bytes([x[2], x[3], x[4], x[5]]);
+    let nibble = if e < 16 {
+        x[6 + e] & 0xF
+    } else {
+        x[6 + e - 16] >> 4
+    };
+    nibble | ((((qh >> e) & 1) as u8) << 4)
+}
+
+/// Sixteen file rows' block `b` (`src`: rows of `nb` blocks) into one unit block (`out`, zeroed).
+fn pack_block(src: &[u8], nb: usize, b: usize, out: &mut [u8]) {
+    for r in 0..R {
+        let at = (r * nb + b) * W_BYTES;
+        let x = &src[at..at + W_BYTES];
+        out[2 * r..2 * r + 2].copy_from_slice(&x[..2]);
+        for e in 0..32 {
+            let v = file_value(x, e);
+            let (lo, ls, hi, hb) = value_at(r, e);
+            out[lo] |= (v & 0xF) << ls;
+            out[hi] |= (v >> 4) << hb;
+        }
+    }
+}
+
+/// Row `r` (0..16) of a unit block: its `d` bits and its 32 stored values (0..32).
+pub fn read_block(unit_block: &[u8], r: usize) -> (u16, [u8; 32]) {
+    let x = unit_block;
+    let d = u16::from_le_bytes([x[2 * r], x[2 * r + 1]]);
+    let q = std::array::from_fn(|e| {
+        let (lo, ls, hi, hb) = value_at(r, e);
+        ((x[lo] >> ls) & 0xF) | (((x[hi] >> hb) & 1) << 4)
+    });
+    (d, q)
+}
+
+/// Packs a Q5_0 matrix (`src`: `rows` file rows of `cols / 32` blocks) into `out` (the same
+/// size), units split across the pool. Panics unless `rows % 16 == 0`, `cols % 32 == 0` and the
+/// sizes match.
+pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
+    assert!(
+        rows.is_multiple_of(R) && cols.is_multiple_of(32),
+        "{rows}x{cols} is not x16-packable"
+    );
+    let nb = cols / 32;
+    let unit = R * nb * W_BYTES;
+    assert_eq!(src.len(), rows * nb * W_BYTES, "Q5_0 matrix bytes");
+    assert_eq!(out.len(), src.len(), "packed bytes");
+    let dst = SharedMut(out.as_mut_ptr());
+    pool.for_range(rows / R, 16, |range| {
+        for u in range {
+            // SAFETY: unit u's bytes `u * unit .. (u + 1) * unit` lie inside `out` (u < rows / 16)
+            // and belong to this chunk only, so no two threads alias them.
+            let o = unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(u * unit), unit) };
+            o.fill(0);
+            for b in 0..nb {
+                let ob = &mut o[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
+                pack_block(&src[u * unit..(u + 1) * unit], nb, b, ob);
+            }
+        }
+    });
+}
+
+/// One Q8_0 activation row (`xq`: `cols / 32` blocks, codes within ±127) against the x16 units in
+/// `w` (whole units of a packed matrix): `out[i]` = packed row `i`, as the row kernel computes it.
+pub fn gemv(cols: usize, w: &[u8], xq: &[u8], out: &mut [f32]) {
+    let nb = cols / 32;
+    let unit = nb * BLOCK_BYTES;
+    assert!(
+        cols.is_multiple_of(32) && w.len().is_multiple_of(unit),
+        "whole units"
+    );
+    assert_eq!(out.len(), w.len() / unit * R, "one output per row");
+    assert!(xq.len() >= nb * 34, "activation bytes");
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernels::cpu::simd::{current, Level};
+        assert!(
+            current() >= Level::Avx512,
+            "the x16 layout is only packed at the AVX-512 level"
+        );
+        // Each lane's start, -16 · (the sum of its four activation codes), per block.
+        let starts: Vec<i32> = xq[..nb * 34]
+            .chunks_exact(34)
+            .flat_map(|blk| {
+                blk[2..]
+                    .chunks_exact(4)
+                    .map(|c| -16 * c.iter().map(|&v| v as i8 as i32).sum::<i32>())
+            })
+            .collect();
+        for (u, o) in out.chunks_exact_mut(R).enumerate() {
+            // SAFETY: the AVX-512 level is available (asserted); unit u's `nb` blocks lie inside
+            // `w`, the activation row's `nb` Q8_0 blocks inside `xq`, `starts` holds `8 * nb`
+            // lanes, and `o` has 16 slots.
+            unsafe {
+                avx512::dot_unit(
+                    nb,
+                    w.as_ptr().add(u * unit),
+                    xq.as_ptr(),
+                    starts.as_ptr(),
+                    o.as_mut_ptr(),
+                )
+            };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("the x16 layout is only packed at the AVX-512 level");
+}
