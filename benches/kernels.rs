@@ -282,6 +282,7 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
         }
         GgmlType::Q6K => {
             decode_rows_line(ty, d, budget, sdot);
+            x16_gemv_line(ty, d, &pool, budget, sdot);
             for m in [8, 16, 64] {
                 let (xq, mut out) = (acts(m), vec![0f32; m * rows]);
                 let t = best(budget, || {
@@ -302,6 +303,7 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
         }
         GgmlType::Q8_0 | GgmlType::Q5_0 => {
             decode_rows_line(ty, d, budget, sdot);
+            x16_gemv_line(ty, d, &pool, budget, sdot);
             for m in [4, 16, 64] {
                 if !q80_gemm::applies(ty, COLS, m) {
                     continue;
@@ -350,6 +352,40 @@ fn cold_gemv(packed: &[u8], rows: usize, d: &Data, budget: Duration) {
             );
         }
     }
+}
+
+/// The x16 decode layouts (`q6k_x16`, `q5_0_x16`) where this CPU packs them: one activation row
+/// against the whole matrix, sixteen rows per kernel call.
+fn x16_gemv_line(
+    ty: GgmlType,
+    d: &Data,
+    pool: &infer::kernels::cpu::pool::ThreadPool,
+    budget: Duration,
+    sdot: Duration,
+) {
+    use infer::kernels::cpu::{q5_0_x16, q6k_x16};
+    let rows = d.rows();
+    let a = &d.acts[..d.act_bytes];
+    let mut out = vec![0f32; rows];
+    let mut packed = vec![0u8; d.w.len()];
+    let t = match ty {
+        GgmlType::Q6K if q6k_x16::applies(rows, COLS) => {
+            q6k_x16::pack_into(pool, &d.w, rows, COLS, &mut packed);
+            best(budget, || {
+                q6k_x16::gemv(COLS, &packed, a, &mut out);
+                black_box(&out);
+            })
+        }
+        GgmlType::Q5_0 if q5_0_x16::applies(rows, COLS) => {
+            q5_0_x16::pack_into(pool, &d.w, rows, COLS, &mut packed);
+            best(budget, || {
+                q5_0_x16::gemv(COLS, &packed, a, &mut out);
+                black_box(&out);
+            })
+        }
+        _ => return,
+    };
+    report("x16 gemv", d, t, 1, Some(sdot));
 }
 
 /// The decode kernel that takes four weight rows per call against one activation row.
