@@ -105,21 +105,29 @@ pub(crate) fn unpack_file_block(x: &[u8], q: &mut [u8; 256]) {
     }
 }
 
-/// Sixteen file rows' block `b` (`src`: rows of `nb` blocks) into one unit block (`out`).
+/// Sixteen file rows' block `b` (`src`: rows of `nb` blocks) into one unit block (`out`): the
+/// inverse of [`unpack_chunk`] for every chunk (byte `i = 4r + e` of chunk `2g + h`'s vector `j`
+/// is value `32g + 4(4h + j) + e` of row `r`, as [`value_at`] says).
 fn pack_block(src: &[u8], nb: usize, b: usize, out: &mut [u8]) {
-    let mut q = [0u8; 256];
-    for r in 0..R {
+    let mut q = [[0u8; 256]; R];
+    for (r, qr) in q.iter_mut().enumerate() {
         let at = (r * nb + b) * W_BYTES;
         let x = &src[at..at + W_BYTES];
         out[2 * r..2 * r + 2].copy_from_slice(&x[208..210]);
         for s in 0..16 {
             out[SCALES + 32 * (s / 2) + 2 * r + s % 2] = x[192 + s];
         }
-        unpack_file_block(x, &mut q);
-        for (e, &v) in q.iter().enumerate() {
-            let (lo, ls, hi, hs) = value_at(r, e);
-            out[lo] |= (v & 0xF) << ls;
-            out[hi] |= (v >> 4) << hs;
+        unpack_file_block(x, qr);
+    }
+    for k in 0..16 {
+        let (g, h) = (k / 2, k % 2);
+        let c = &mut out[QUANTS + 192 * k..QUANTS + 192 * (k + 1)];
+        for i in 0..64 {
+            let (r, e) = (i / 4, i % 4);
+            let v: [u8; 4] = std::array::from_fn(|j| q[r][32 * g + 4 * (4 * h + j) + e]);
+            c[i] = (v[0] & 0xF) | ((v[1] & 0xF) << 4);
+            c[64 + i] = (v[2] & 0xF) | ((v[3] & 0xF) << 4);
+            c[128 + i] = ((v[0] >> 4) << 4) | ((v[1] >> 4) << 2) | (v[2] >> 4) | ((v[3] >> 4) << 6);
         }
     }
 }
