@@ -16,6 +16,7 @@ pub mod q6k_x4;
 pub mod q6k_x8;
 pub mod q80_gemm;
 pub mod simd;
+pub mod x16;
 
 /// A raw pointer into a buffer that the pool's threads write in disjoint parts (each its own
 /// output rows or pieces); the pool joins every thread before the buffer is read or written again.

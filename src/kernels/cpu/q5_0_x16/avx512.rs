@@ -20,20 +20,14 @@ const LINES: usize = BLOCK_BYTES.div_ceil(64);
 const _: () = assert!(LINES <= 8 && R == 16);
 
 /// Sixteen outputs (`out`) of one x16 unit (`w`: `nb` unit blocks) against one activation row
-/// (`a`: `nb` Q8_0 blocks, `starts`: `8 * nb` lane starts).
+/// (`a`: `nb` Q8_0 blocks).
 ///
 /// # Safety
 /// The AVX-512 level is available (AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI); `w` points at `nb`
-/// unit blocks, `a` at `nb` Q8_0 blocks, `starts` at `8 * nb` i32, `out` at 16 writable floats.
+/// unit blocks, `a` at `nb` Q8_0 blocks, `out` at 16 writable floats.
 #[allow(clippy::needless_range_loop)] // lanes index several arrays at once
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(super) unsafe fn dot_unit(
-    nb: usize,
-    w: *const u8,
-    a: *const u8,
-    starts: *const i32,
-    out: *mut f32,
-) {
+pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f32) {
     let m0f = _mm512_set1_epi8(0x0F);
     let c16 = _mm512_set1_epi8(16);
     let mut f = [_mm512_setzero_ps(); 8];
@@ -43,6 +37,15 @@ pub(super) unsafe fn dot_unit(
         for k in 0..LINES {
             _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + 64 * k).cast());
         }
+        // Each lane's start, -16 · (the sum of its four activation codes), for all the rows.
+        let zero = _mm256_setzero_si256();
+        let sums = _mm256_dpbusd_epi32(
+            zero,
+            _mm256_set1_epi8(16),
+            _mm256_loadu_si256(ya.add(2).cast()),
+        );
+        let mut starts = [0i32; 8];
+        _mm256_storeu_si256(starts.as_mut_ptr().cast(), _mm256_sub_epi32(zero, sums));
         let fifth = ld2x256(x.add(FIFTH));
         let mut acc = [_mm512_setzero_si512(); 8];
         for p in 0..4 {
@@ -55,7 +58,7 @@ pub(super) unsafe fn dot_unit(
                 let l = 2 * p + h;
                 let bit = _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(1 << l));
                 let v = _mm512_mask_add_epi8(nib[h], bit, nib[h], c16);
-                let start = _mm512_set1_epi32(*starts.add(8 * b + l));
+                let start = _mm512_set1_epi32(starts[l]);
                 acc[l] = _mm512_dpbusd_epi32(start, v, bcast32x16(ya.add(2 + 4 * l)));
             }
         }

@@ -26,15 +26,16 @@
 //! `cols % 32 == 0`), fixed for the process.
 
 use crate::kernels::cpu::pool::ThreadPool;
-use crate::kernels::cpu::SharedMut;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::cpu::x16::gemv_units;
+use crate::kernels::cpu::x16::pack_units;
+pub use crate::kernels::cpu::x16::R;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(test)]
 mod tests;
 
-/// Weight rows per unit.
-pub const R: usize = 16;
 /// Bytes of one Q5_0 file block.
 const W_BYTES: usize = 22;
 /// Bytes of one unit block.
@@ -117,20 +118,10 @@ pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &
         "{rows}x{cols} is not x16-packable"
     );
     let nb = cols / 32;
-    let unit = R * nb * W_BYTES;
     assert_eq!(src.len(), rows * nb * W_BYTES, "Q5_0 matrix bytes");
-    assert_eq!(out.len(), src.len(), "packed bytes");
-    let dst = SharedMut(out.as_mut_ptr());
-    pool.for_range(rows / R, 16, |range| {
-        for u in range {
-            // SAFETY: unit u's bytes `u * unit .. (u + 1) * unit` lie inside `out` (u < rows / 16)
-            // and belong to this chunk only, so no two threads alias them.
-            let o = unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(u * unit), unit) };
-            o.fill(0);
-            for b in 0..nb {
-                let ob = &mut o[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
-                pack_block(&src[u * unit..(u + 1) * unit], nb, b, ob);
-            }
+    pack_units(pool, src, nb * BLOCK_BYTES, out, |s, o| {
+        for (b, ob) in o.chunks_exact_mut(BLOCK_BYTES).enumerate() {
+            pack_block(s, nb, b, ob);
         }
     });
 }
@@ -138,45 +129,13 @@ pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &
 /// One Q8_0 activation row (`xq`: `cols / 32` blocks, codes within ±127) against the x16 units in
 /// `w` (whole units of a packed matrix): `out[i]` = packed row `i`, as the row kernel computes it.
 pub fn gemv(cols: usize, w: &[u8], xq: &[u8], out: &mut [f32]) {
+    assert!(cols.is_multiple_of(32), "whole blocks");
     let nb = cols / 32;
-    let unit = nb * BLOCK_BYTES;
-    assert!(
-        cols.is_multiple_of(32) && w.len().is_multiple_of(unit),
-        "whole units"
-    );
-    assert_eq!(out.len(), w.len() / unit * R, "one output per row");
-    assert!(xq.len() >= nb * 34, "activation bytes");
     #[cfg(target_arch = "x86_64")]
-    {
-        use crate::kernels::cpu::simd::{current, Level};
-        assert!(
-            current() >= Level::Avx512,
-            "the x16 layout is only packed at the AVX-512 level"
-        );
-        // Each lane's start, -16 · (the sum of its four activation codes), per block.
-        let starts: Vec<i32> = xq[..nb * 34]
-            .chunks_exact(34)
-            .flat_map(|blk| {
-                blk[2..]
-                    .chunks_exact(4)
-                    .map(|c| -16 * c.iter().map(|&v| v as i8 as i32).sum::<i32>())
-            })
-            .collect();
-        for (u, o) in out.chunks_exact_mut(R).enumerate() {
-            // SAFETY: the AVX-512 level is available (asserted); unit u's `nb` blocks lie inside
-            // `w`, the activation row's `nb` Q8_0 blocks inside `xq`, `starts` holds `8 * nb`
-            // lanes, and `o` has 16 slots.
-            unsafe {
-                avx512::dot_unit(
-                    nb,
-                    w.as_ptr().add(u * unit),
-                    xq.as_ptr(),
-                    starts.as_ptr(),
-                    o.as_mut_ptr(),
-                )
-            };
-        }
-    }
+    gemv_units(nb, nb * BLOCK_BYTES, w, xq, nb * 34, out, avx512::dot_unit);
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("the x16 layout is only packed at the AVX-512 level");
+    {
+        let _ = (nb, w, xq, out);
+        unreachable!("the x16 layout is only packed at the AVX-512 level");
+    }
 }

@@ -24,21 +24,22 @@
 //! are exactly those of `ggml_vec_dot_q6_K_q8_K`'s AVX2 kernel and the float steps are its
 //! lane-wise `fma`s and its final horizontal sum, so every output is bit-identical to the row
 //! kernel (`simd`), which the tests hold it to. The prefill GEMM (`q6k_x8`) builds its panels
-//! from this copy through [`read_block`].
+//! from this copy through [`unpack_chunk`] ([`read_block`] gives one row's block).
 //!
 //! Invariant: a matrix is packed only when [`applies`] (the AVX-512 level, `rows % 16 == 0`,
 //! `cols % 256 == 0`), and that is fixed for the process.
 
 use crate::kernels::cpu::pool::ThreadPool;
-use crate::kernels::cpu::SharedMut;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::cpu::x16::gemv_units;
+use crate::kernels::cpu::x16::pack_units;
+pub use crate::kernels::cpu::x16::R;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(test)]
 mod tests;
 
-/// Weight rows per unit.
-pub const R: usize = 16;
 /// Bytes of one Q6_K file block.
 const W_BYTES: usize = 210;
 /// Bytes of one unit block.
@@ -75,20 +76,16 @@ pub fn applies(rows: usize, cols: usize) -> bool {
     }
 }
 
-/// Where value `e` (0..256) of row `r` of a unit block lives: (byte of its low nibble, that
-/// nibble's shift, byte of its top two bits, their shift). The one place the layout is spelled out.
-fn value_at(r: usize, e: usize) -> (usize, u32, usize, u32) {
-    let (g, l) = (e / 32, (e % 32) / 4);
-    let (h, j) = (l / 4, l % 4);
-    let chunk = QUANTS + 192 * (2 * g + h);
-    let i = 4 * r + e % 4;
-    let hi_shift = [4, 2, 0, 6][j];
-    (
-        chunk + 64 * (j / 2) + i,
-        4 * (j % 2) as u32,
-        chunk + 128 + i,
-        hi_shift,
-    )
+/// Where scale `s` (0..16) of row `r` of a unit block lives.
+pub fn scale_at(r: usize, s: usize) -> usize {
+    SCALES + 32 * (s / 2) + 2 * r + s % 2
+}
+
+/// Which value byte `i` (0..64) of vector `j` (0..4) of chunk `k` (0..16) holds: (row, value
+/// index). With [`unpack_chunk`]'s bit positions (and [`pack_block`], its inverse), the one place
+/// the value order is spelled out.
+fn chunk_value(k: usize, j: usize, i: usize) -> (usize, usize) {
+    (i / 4, 32 * (k / 2) + 4 * (4 * (k % 2) + j) + i % 4)
 }
 
 /// The 256 values (0..64) of one file block.
@@ -105,9 +102,8 @@ pub(crate) fn unpack_file_block(x: &[u8], q: &mut [u8; 256]) {
     }
 }
 
-/// Sixteen file rows' block `b` (`src`: rows of `nb` blocks) into one unit block (`out`): the
-/// inverse of [`unpack_chunk`] for every chunk (byte `i = 4r + e` of chunk `2g + h`'s vector `j`
-/// is value `32g + 4(4h + j) + e` of row `r`, as [`value_at`] says).
+/// Sixteen file rows' block `b` (`src`: rows of `nb` blocks) into one unit block (`out`,
+/// zeroed): the inverse of [`unpack_chunk`] for every chunk.
 fn pack_block(src: &[u8], nb: usize, b: usize, out: &mut [u8]) {
     let mut q = [[0u8; 256]; R];
     for (r, qr) in q.iter_mut().enumerate() {
@@ -115,16 +111,17 @@ fn pack_block(src: &[u8], nb: usize, b: usize, out: &mut [u8]) {
         let x = &src[at..at + W_BYTES];
         out[2 * r..2 * r + 2].copy_from_slice(&x[208..210]);
         for s in 0..16 {
-            out[SCALES + 32 * (s / 2) + 2 * r + s % 2] = x[192 + s];
+            out[scale_at(r, s)] = x[192 + s];
         }
         unpack_file_block(x, qr);
     }
     for k in 0..16 {
-        let (g, h) = (k / 2, k % 2);
         let c = &mut out[QUANTS + 192 * k..QUANTS + 192 * (k + 1)];
         for i in 0..64 {
-            let (r, e) = (i / 4, i % 4);
-            let v: [u8; 4] = std::array::from_fn(|j| q[r][32 * g + 4 * (4 * h + j) + e]);
+            let v: [u8; 4] = std::array::from_fn(|j| {
+                let (r, e) = chunk_value(k, j, i);
+                q[r][e]
+            });
             c[i] = (v[0] & 0xF) | ((v[1] & 0xF) << 4);
             c[64 + i] = (v[2] & 0xF) | ((v[3] & 0xF) << 4);
             c[128 + i] = ((v[0] >> 4) << 4) | ((v[1] >> 4) << 2) | (v[2] >> 4) | ((v[3] >> 4) << 6);
@@ -149,10 +146,15 @@ pub fn unpack_chunk(c: &[u8], v: &mut [[u8; 64]; 4]) {
 pub fn read_block(unit_block: &[u8], r: usize, q: &mut [u8; 256]) -> (f32, [i8; 16]) {
     let x = unit_block;
     let d = half::f16::from_le_bytes([x[2 * r], x[2 * r + 1]]).to_f32();
-    let scales = std::array::from_fn(|s| x[SCALES + 32 * (s / 2) + 2 * r + s % 2] as i8);
-    for (e, v) in q.iter_mut().enumerate() {
-        let (lo, ls, hi, hs) = value_at(r, e);
-        *v = ((x[lo] >> ls) & 0xF) | (((x[hi] >> hs) & 3) << 4);
+    let scales = std::array::from_fn(|s| x[scale_at(r, s)] as i8);
+    let mut v = [[0u8; 64]; 4];
+    for k in 0..16 {
+        unpack_chunk(&x[QUANTS + 192 * k..QUANTS + 192 * (k + 1)], &mut v);
+        for (j, vj) in v.iter().enumerate() {
+            for i in 4 * r..4 * r + 4 {
+                q[chunk_value(k, j, i).1] = vj[i];
+            }
+        }
     }
     (d, scales)
 }
@@ -166,20 +168,10 @@ pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &
         "{rows}x{cols} is not x16-packable"
     );
     let nb = cols / 256;
-    let unit = R * nb * W_BYTES;
     assert_eq!(src.len(), rows * nb * W_BYTES, "Q6_K matrix bytes");
-    assert_eq!(out.len(), src.len(), "packed bytes");
-    let dst = SharedMut(out.as_mut_ptr());
-    pool.for_range(rows / R, 16, |range| {
-        for u in range {
-            // SAFETY: unit u's bytes `u * unit .. (u + 1) * unit` lie inside `out` (u < rows / 16)
-            // and belong to this chunk only, so no two threads alias them.
-            let o = unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(u * unit), unit) };
-            o.fill(0);
-            for b in 0..nb {
-                let ob = &mut o[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
-                pack_block(&src[u * unit..(u + 1) * unit], nb, b, ob);
-            }
+    pack_units(pool, src, nb * BLOCK_BYTES, out, |s, o| {
+        for (b, ob) in o.chunks_exact_mut(BLOCK_BYTES).enumerate() {
+            pack_block(s, nb, b, ob);
         }
     });
 }
@@ -187,27 +179,13 @@ pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &
 /// One activation row (`xq`: `cols / 256` Q8_K blocks) against the x16 units in `w` (whole units
 /// of a packed matrix): `out[i]` = packed row `i`, as the row kernel computes it.
 pub fn gemv(cols: usize, w: &[u8], xq: &[u8], out: &mut [f32]) {
+    assert!(cols.is_multiple_of(256), "whole blocks");
     let nb = cols / 256;
-    let unit = nb * BLOCK_BYTES;
-    assert!(
-        cols.is_multiple_of(256) && w.len().is_multiple_of(unit),
-        "whole units"
-    );
-    assert_eq!(out.len(), w.len() / unit * R, "one output per row");
-    assert!(xq.len() >= nb * 292, "activation bytes");
     #[cfg(target_arch = "x86_64")]
-    {
-        use crate::kernels::cpu::simd::{current, Level};
-        assert!(
-            current() >= Level::Avx512,
-            "the x16 layout is only packed at the AVX-512 level"
-        );
-        for (u, o) in out.chunks_exact_mut(R).enumerate() {
-            // SAFETY: the AVX-512 level is available (asserted); unit u's `nb` blocks lie inside
-            // `w`, the activation row's `nb` Q8_K blocks inside `xq`, and `o` has 16 slots.
-            unsafe { avx512::dot_unit(nb, w.as_ptr().add(u * unit), xq.as_ptr(), o.as_mut_ptr()) };
-        }
-    }
+    gemv_units(nb, nb * BLOCK_BYTES, w, xq, nb * 292, out, avx512::dot_unit);
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("the x16 layout is only packed at the AVX-512 level");
+    {
+        let _ = (nb, w, xq, out);
+        unreachable!("the x16 layout is only packed at the AVX-512 level");
+    }
 }

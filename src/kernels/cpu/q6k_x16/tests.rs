@@ -1,18 +1,8 @@
 use super::*;
 use crate::format::GgmlType;
 use crate::kernels::cpu::simd;
+use crate::kernels::cpu::x16::{bits, test_bytes as bytes};
 use crate::quant::{quantize_activations, quantize_row};
-
-/// Deterministic bytes (an LCG).
-fn bytes(n: usize, seed: u32) -> Vec<u8> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (s >> 24) as u8
-        })
-        .collect()
-}
 
 /// `rows` Q6_K rows of raw random blocks (every code, scale and top-bit pattern), finite `d`.
 fn raw_matrix(rows: usize, nb: usize, seed: u32) -> Vec<u8> {
@@ -38,10 +28,6 @@ fn raw_activations(nb: usize, seed: u32) -> Vec<u8> {
         }
     }
     a
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Packing keeps every row's `d`, scales and values, and `read_block` gives them back.

@@ -69,7 +69,7 @@ pub fn pack_wide(src: &[u8], layout: Layout, nb: usize, panel: &mut [u8]) {
 /// [`pack_wide`] from one x16 unit: its chunks' vectors are the wide panel's value rows as they
 /// are (four values of each of the sixteen rows), so they are unpacked straight into place.
 fn pack_wide_x16(src: &[u8], nb: usize, panel: &mut [u8]) {
-    use crate::kernels::cpu::q6k_x16::{unpack_chunk, BLOCK_BYTES, QUANTS, SCALES};
+    use crate::kernels::cpu::q6k_x16::{scale_at, unpack_chunk, BLOCK_BYTES, QUANTS};
     let mut v = [[0u8; 64]; 4];
     for b in 0..nb {
         let x = &src[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
@@ -78,7 +78,7 @@ fn pack_wide_x16(src: &[u8], nb: usize, panel: &mut [u8]) {
             let d = half::f16::from_le_bytes([x[2 * c], x[2 * c + 1]]).to_f32();
             o[4 * c..4 * c + 4].copy_from_slice(&d.to_le_bytes());
             for sb in 0..16 {
-                o[4 * WIDE + WIDE * sb + c] = x[SCALES + 32 * (sb / 2) + 2 * c + sb % 2];
+                o[4 * WIDE + WIDE * sb + c] = x[scale_at(c, sb)];
             }
         }
         for k in 0..16 {

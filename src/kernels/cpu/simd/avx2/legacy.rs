@@ -195,10 +195,11 @@ unsafe fn signed_q8_0_wrows4(
 /// bytes, short streams the hardware prefetcher does not pick up: each block step prefetches the
 /// matching part of the fourth run after this one, into L1. On the AMD EPYC development machine
 /// (a 178 MB Q8_0 matrix of Gemma-3's head shape on two threads, variants alternated in one
-/// process while the probe read 72-81 GB/s) that streamed 74-97 GB/s, two runs ahead into L2
-/// 63-69 (the earlier choice, made on an Intel Xeon, where into L2 was a few percent faster),
-/// three runs into L1 71-93; the Q5_0 kernel 48.6 against 37.2 GB/s. Never faults (prefetches
-/// are hints; the address may lie past the weights).
+/// process, three sweeps while the probe read 72-81 GB/s) that streamed 74-97 GB/s. In the sweep
+/// at 81 GB/s: two runs ahead into L2 (the earlier choice, made on an Intel Xeon, where into L2
+/// was a few percent faster) 68.7, two runs into L1 84.8, three 93.0, four 97.0; the Q5_0 kernel
+/// 37.2 GB/s two runs into L2, 48.6 four runs into L1. Never faults (prefetches are hints; the
+/// address may lie past the weights).
 #[inline(always)]
 pub(crate) fn prefetch_run_ahead(w: *const u8, wbytes: usize, row_bytes: usize, b: usize) {
     let pf = w.wrapping_add(16 * row_bytes + b * 4 * wbytes);
