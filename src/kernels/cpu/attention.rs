@@ -206,12 +206,40 @@ struct Paged<'a> {
     kvd: usize,
     off: usize,
     hd: usize,
+    /// Whether this thread has not read these rows yet in this call (the first of its units on
+    /// this KV head), so they are prefetched as they are scored.
+    cold: bool,
 }
 
 impl Paged<'_> {
     #[inline]
     fn slot(&self, p: usize) -> usize {
-        (self.table[p / self.bs] as usize * self.bs + p % self.bs) * self.kvd + self.off
+        // Block sizes are powers of two in practice: a shift and a mask, not a division.
+        let (b, r) = if self.bs.is_power_of_two() {
+            (p >> self.bs.trailing_zeros(), p & (self.bs - 1))
+        } else {
+            (p / self.bs, p % self.bs)
+        };
+        (self.table[b] as usize * self.bs + r) * self.kvd + self.off
+    }
+    /// Asks for position `p`'s key and value rows to be brought into L1 (a hint, no effect on
+    /// results): the cache of a layer is cold when its attention starts, each row a miss.
+    #[inline]
+    fn prefetch(&self, p: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let s = self.slot(p);
+            let (k, v) = (self.k[s..].as_ptr(), self.v[s..].as_ptr());
+            for b in (0..self.hd * 2).step_by(64) {
+                // SAFETY: prefetching has no architectural effect; the addresses are row bytes
+                // of the cache slices (wrapping_add only forms them).
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(k.cast::<i8>().wrapping_add(b));
+                    _mm_prefetch::<_MM_HINT_T0>(v.cast::<i8>().wrapping_add(b));
+                }
+            }
+        }
     }
     #[inline]
     fn k(&self, p: usize) -> &[f16] {
@@ -351,13 +379,43 @@ pub fn attention(
         });
         return;
     }
-    pool.for_range(queries.len() * shape.n_head, 1, |range| {
+    // One contiguous run of (query row, head) units per thread, not dynamic chunks: a thread's
+    // heads then share their KV heads (GQA groups are consecutive heads), so each core brings a
+    // KV row into its own caches once instead of both cores missing on the same rows. The runs
+    // are cut where the visible positions, the work, are split evenly (rows of a prompt see more
+    // positions the later they are).
+    let units = queries.len() * shape.n_head;
+    let cost = |u: usize| {
+        let qa = &queries[u / shape.n_head];
+        (qa.pos + 1).saturating_sub(qa.lo) as usize
+    };
+    let threads = pool.n_threads();
+    let total: usize = (0..units).map(cost).sum();
+    let mut cuts = vec![units; threads + 1];
+    cuts[0] = 0;
+    let (mut behind, mut t) = (0, 1);
+    for u in 0..units {
+        while t < threads && behind >= total * t / threads {
+            cuts[t] = u;
+            t += 1;
+        }
+        behind += cost(u);
+    }
+    pool.broadcast(|t, _| {
+        let range = cuts[t]..cuts[t + 1];
+        if range.is_empty() {
+            return;
+        }
         let mut scratch = Scratch::new(hd);
         let mut res = vec![0f32; hd];
+        let mut last = None;
         for unit in range {
             let (i, h) = (unit / shape.n_head, unit % shape.n_head);
             let qa = &queries[i];
             let off = (h / group) * hd;
+            let rows = (qa.block_table.as_ptr(), off);
+            let cold = last != Some(rows);
+            last = Some(rows);
             let view = KvView {
                 wide: tiled.then(|| Heads {
                     seq: &seqs[seq_of[i]].1,
@@ -373,6 +431,7 @@ pub fn attention(
                     kvd,
                     off,
                     hd,
+                    cold,
                 },
             };
             let qrow = &q.row(i)[h * hd..(h + 1) * hd];

@@ -9,6 +9,9 @@ use half::slice::HalfFloatSliceExt;
 
 use super::{reduce16, GgmlIsa, Paged, Scratch};
 
+/// Positions ahead whose K and V rows `f16c::one_chunk` asks for while it scores.
+const PREFETCH: usize = 8;
+
 /// `ggml_compute_forward_flash_attn_ext_f16_one_chunk` for one head over the visible positions in
 /// `lo..=hi` (cells = positions), with `scratch.q16` set: leaves the unnormalised V sum in
 /// `scratch.acc` and returns (max score, softmax denominator) — (-inf, 0) if nothing is visible.
@@ -171,7 +174,14 @@ mod f16c {
         let mut m = f32::NEG_INFINITY;
         let mut sum = 0f32;
         steps.clear();
+        let pf = if heads.cold { super::PREFETCH } else { hi + 1 };
+        for p in lo..(lo + pf).min(hi + 1) {
+            heads.prefetch(p);
+        }
         for p in lo..=hi {
+            if p + pf <= hi {
+                heads.prefetch(p + super::PREFETCH);
+            }
             let s = dot(q16, heads.k(p), isa) * scale;
             let (mut ms, mut vs) = (1.0f32, 1.0f32);
             if s > m {
@@ -182,6 +192,20 @@ mod f16c {
             }
             steps.push((ms, vs));
             sum = sum.mul_add(ms, vs);
+        }
+        type VPass = unsafe fn(&super::Paged<'_>, usize, &[(f32, f32)], &mut [f32]);
+        let wide: Option<VPass> = match hd {
+            64 => Some(super::avx512::v_pass::<4>),
+            128 => Some(super::avx512::v_pass::<8>),
+            256 => Some(super::avx512::v_pass::<16>),
+            _ => None,
+        };
+        use crate::kernels::cpu::simd::{current, Level};
+        if let Some(v_pass) = wide.filter(|_| current() >= Level::Avx512) {
+            // SAFETY: the AVX-512 level was detected; `acc` holds `hd` floats (asserted above),
+            // `hd` is the kernel's 16 * N, and `steps` has one entry per position from `lo`.
+            v_pass(heads, lo, steps, acc);
+            return (m, sum);
         }
         let r16 = |x: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
         for d0 in (0..hd).step_by(64) {
@@ -258,6 +282,50 @@ mod f16c {
             sum += (x[i] * y[i].to_f32()) as f64;
         }
         sum as f32
+    }
+}
+
+/// The V pass of `f16c::one_chunk` with sixteen lanes per vector and every value of the head in
+/// registers at once (the AVX2 form runs 64 values at a time), so the positions' rounding chains
+/// of all the head's values overlap. Lane for lane the same operations: the same f16 results.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// Accumulates `heads.v(lo + i)` by `steps[i] = (ms, vs)` into `acc` (`16 * N` values) as
+    /// the AVX2 V pass does.
+    ///
+    /// # Safety
+    /// The AVX-512 level is available; `heads.hd == acc.len() == 16 * N`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn v_pass<const N: usize>(
+        heads: &super::Paged<'_>,
+        lo: usize,
+        steps: &[(f32, f32)],
+        acc: &mut [f32],
+    ) {
+        assert!(heads.hd == 16 * N && acc.len() == 16 * N);
+        let r16 = |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+        let mut a = [_mm512_setzero_ps(); N];
+        for (p, &(ms, vs)) in (lo..).zip(steps) {
+            if ms != 1.0 {
+                let mv = _mm512_set1_ps(ms);
+                for x in a.iter_mut() {
+                    *x = r16(_mm512_mul_ps(*x, mv));
+                }
+            }
+            let v = heads.v(p)[..16 * N].as_ptr();
+            let vv = _mm512_set1_ps(vs);
+            for (j, x) in a.iter_mut().enumerate() {
+                // SAFETY: v points at 16 * N f16 values (the slice above), j < N.
+                let w = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(v.add(16 * j).cast()) });
+                *x = r16(_mm512_fmadd_ps(w, vv, *x));
+            }
+        }
+        for (j, x) in a.iter().enumerate() {
+            // SAFETY: acc holds 16 * N floats (asserted), j < N.
+            unsafe { _mm512_storeu_ps(acc.as_mut_ptr().add(16 * j), *x) };
+        }
     }
 }
 
@@ -384,7 +452,15 @@ mod tests {
 
     #[test]
     fn two_pass_one_chunk_equals_the_scalar_twin() {
-        let hd = 128;
+        // 192 takes the AVX2 V pass everywhere; the others the AVX-512 one where it runs.
+        for hd in [64, 128, 192, 256] {
+            for cold in [false, true] {
+                two_pass_case(hd, cold);
+            }
+        }
+    }
+
+    fn two_pass_case(hd: usize, cold: bool) {
         let (bs, kvd, n): (usize, usize, usize) = (32, 2 * hd, 300);
         let f = |seed: u32, k: usize, mul: f32| -> Vec<f16> {
             crate::kernels::cpu::test_floats(k, seed)
@@ -404,6 +480,7 @@ mod tests {
             kvd,
             off: hd,
             hd,
+            cold,
         };
         let q = crate::kernels::cpu::test_floats(hd, 7);
         for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
@@ -419,7 +496,7 @@ mod tests {
                     (want.0.to_bits(), want.1.to_bits())
                 );
                 for (x, y) in b.acc.iter().zip(&a.acc) {
-                    assert_eq!(x.to_bits(), y.to_bits(), "{isa:?} {lo}..={hi}");
+                    assert_eq!(x.to_bits(), y.to_bits(), "{isa:?} hd {hd} {lo}..={hi}");
                 }
             }
         }

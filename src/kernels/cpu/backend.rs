@@ -21,6 +21,7 @@ use crate::kernels::cpu::q4k_x8;
 use crate::kernels::cpu::q5_0_x16;
 use crate::kernels::cpu::q6k_x16;
 use crate::kernels::cpu::q6k_x4;
+use crate::kernels::cpu::rope::RopeTables;
 use crate::model::backend::{
     AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
 };
@@ -164,6 +165,8 @@ pub struct CpuBackend {
     row_invariant: AtomicBool,
     /// The huge-page slabs that hold the weights' packed and plain copies.
     arena: Arc<Arena>,
+    /// RoPE cos/sin tables shared by the layers of a pass.
+    rope_tables: RopeTables,
 }
 
 /// Elements per piece of the element-wise ops when they are split across threads.
@@ -178,6 +181,7 @@ impl CpuBackend {
             pool: ThreadPool::new(n_threads.max(1)),
             row_invariant: AtomicBool::new(false),
             arena: Arc::new(Arena::default()),
+            rope_tables: RopeTables::default(),
         }
     }
 
@@ -396,23 +400,14 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &mut CpuAct, positions: &[u32], rope: Rope, ff: Option<&Vec<f32>>) {
-        let cols = x.cols;
+        let (cols, hd) = (x.cols, rope.head_dim);
+        let ff = ff.map(Vec::as_slice);
+        let table = self
+            .rope_tables
+            .get(&self.pool, positions, rope.base, hd, ff);
         self.par_chunks(&mut x.data, cols, |i, row| {
-            // The cos/sin table on the stack for the usual head sizes (this runs per row).
-            let (mut buf, mut heap) = ([0f32; 512], Vec::new());
-            let cache: &mut [f32] = if rope.head_dim <= buf.len() {
-                &mut buf[..rope.head_dim]
-            } else {
-                heap.resize(rope.head_dim, 0.0);
-                &mut heap
-            };
-            match ff {
-                Some(ff) => {
-                    ops::rope_cache_scaled(positions[i], rope.base, rope.head_dim, ff, cache)
-                }
-                None => ops::rope_cache(positions[i], rope.base, rope.head_dim, cache),
-            }
-            for head in row.chunks_exact_mut(rope.head_dim) {
+            let cache = &table[i * hd..(i + 1) * hd];
+            for head in row.chunks_exact_mut(hd) {
                 ops::rope_head(head, cache, rope.style);
             }
         });

@@ -153,8 +153,27 @@ fn decode_many(pool: &ThreadPool, jobs: &mut [(&CpuWeight, &mut CpuAct)], xq: &[
     // One contiguous range per thread, not the pool's dynamic chunks: every chunk start is a
     // new stream that the prefetchers pick up late, and with one stream per thread Qwen's decode
     // step took 2-3% less time (Gemma-3 270M's about 2-4%), alternated in one process.
-    pool.broadcast(|t, threads| {
-        let range = total * t / threads..total * (t + 1) / threads;
+    // Cut points by bytes, not units: a Q6_K unit is half again a Q4_K unit, and Qwen's QKV
+    // region mixes them (its V projection is Q6_K in half the layers).
+    let unit_bytes: Vec<usize> = ws.iter().map(|w| DECODE_UNIT * w.row_bytes).collect();
+    let total_bytes: usize = (0..jobs.len())
+        .map(|i| (starts[i + 1] - starts[i]) * unit_bytes[i])
+        .sum();
+    let cut = |t: usize| -> usize {
+        // The first unit at which `t / threads` of the bytes are behind.
+        let mut want = total_bytes * t / pool.n_threads();
+        for i in 0..ws.len() {
+            let job = (starts[i + 1] - starts[i]) * unit_bytes[i];
+            if want < job {
+                return starts[i] + want.div_ceil(unit_bytes[i]);
+            }
+            want -= job;
+        }
+        total
+    };
+    let cuts: Vec<usize> = (0..=pool.n_threads()).map(cut).collect();
+    pool.broadcast(|t, _| {
+        let range = cuts[t]..cuts[t + 1];
         for (i, w) in ws.iter().enumerate() {
             let (lo, hi) = (range.start.max(starts[i]), range.end.min(starts[i + 1]));
             if lo >= hi {

@@ -183,25 +183,6 @@ mod expf_x86 {
     }
 }
 
-/// Runs `f` (an `#[inline(always)]` body) compiled with FMA where the CPU has it: results are the
-/// same either way (`mul_add` is exactly rounded), only speed differs (without the target feature
-/// `mul_add` is a library call).
-#[inline(always)]
-fn with_fma<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "fma")]
-        unsafe fn call<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        if is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has FMA (checked just above).
-            return unsafe { call(f) };
-        }
-    }
-    f()
-}
-
 /// ggml's vectorised SiLU: `x / (1 + v_expf(0 - x))`.
 #[inline(always)]
 pub fn silu(x: f32, isa: GgmlIsa) -> f32 {
@@ -251,7 +232,23 @@ pub fn rope_cache_scaled(pos: u32, base: f32, head_dim: usize, factors: &[f32], 
 /// `fma(x0, cos, -(x1·sin))` and `x0·sin + x1·cos` is `fma(x0, sin, x1·cos)` (checked against
 /// llama.cpp's tensors for NEOX; the NORMAL style is assumed to fuse the same way).
 pub fn rope_head(x: &mut [f32], cache: &[f32], style: RopeStyle) {
-    with_fma(|| rope_head_impl(x, cache, style))
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has FMA (checked just above).
+        return unsafe { rope_head_fma(x, cache, style) };
+    }
+    rope_head_impl(x, cache, style)
+}
+
+/// [`rope_head_impl`] compiled with FMA, so `mul_add` is one instruction, not a libm call (a
+/// closure handed to a `target_feature` function is compiled without the feature).
+///
+/// # Safety
+/// The CPU supports FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn rope_head_fma(x: &mut [f32], cache: &[f32], style: RopeStyle) {
+    rope_head_impl(x, cache, style)
 }
 
 #[inline(always)]
