@@ -7,6 +7,7 @@ pub mod backend;
 pub mod hugebuf;
 pub mod matmul;
 pub mod membw;
+pub mod norm;
 pub mod ops;
 pub mod pool;
 pub mod q4k_x8;

@@ -191,12 +191,8 @@ pub fn silu(x: f32, isa: GgmlIsa) -> f32 {
 
 /// y = x / rms(x) * w, over one group of `w.len()` values.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
-    let n = w.len();
-    let mut sum = 0f64;
-    for &v in x {
-        sum += (v * v) as f64;
-    }
-    let mean = (sum / n as f64) as f32;
+    debug_assert_eq!(x.len(), w.len());
+    let mean = crate::kernels::cpu::norm::mean_square(x);
     let scale = 1.0 / (mean + eps).sqrt();
     for ((yi, &xi), &wi) in y.iter_mut().zip(x).zip(w) {
         *yi = (xi * scale) * wi;
