@@ -215,7 +215,10 @@ pub fn generate_with<B: Backend>(
                 decided = step.rejected_with;
                 step.logits
             }
-            (None, None) => runner.compute(seq)?,
+            (None, None) => {
+                runner.recycle(std::mem::take(&mut logits));
+                runner.compute(seq)?
+            }
         };
     };
     // Verified tokens past where generation stopped were never emitted: forget them.

@@ -52,6 +52,12 @@ impl<B: Backend> Runner<B> {
         self.n_ctx
     }
 
+    /// Gives a logits row back once it is no longer needed, so the next step reuses its buffer
+    /// instead of zeroing a fresh one ([`Backend::recycle`]).
+    pub fn recycle(&self, logits: Vec<f32>) {
+        self.model.backend.recycle(logits);
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.model.cfg.vocab_size
     }

@@ -200,7 +200,7 @@ impl<B: Backend> Model<B> {
         }
         let mut hs = be.act(want.len(), d);
         be.rms_norm(&x, &w.output_norm, cfg.norm_eps, &mut hs);
-        let mut logits = be.act(want.len(), cfg.vocab_size);
+        let mut logits = be.act_for_overwrite(want.len(), cfg.vocab_size); // the head writes all
         be.matmul(
             w.output.as_ref().unwrap_or(&w.token_embd),
             &hs,

@@ -4,7 +4,7 @@
 //! persistent thread pool; no op allocates per row.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{bail, Result};
 use half::f16;
@@ -167,7 +167,12 @@ pub struct CpuBackend {
     arena: Arc<Arena>,
     /// RoPE cos/sin tables shared by the layers of a pass.
     rope_tables: RopeTables,
+    /// Vectors given back by `recycle`, for `act_for_overwrite` (at most [`SPARE_BUFFERS`]).
+    spare: Mutex<Vec<Vec<f32>>>,
 }
+
+/// Recycled vectors kept at once (a decode loop gives back one logits row per step).
+const SPARE_BUFFERS: usize = 2;
 
 /// Elements per piece of the element-wise ops when they are split across threads.
 const ELEMWISE_CHUNK: usize = 4096;
@@ -182,6 +187,7 @@ impl CpuBackend {
             row_invariant: AtomicBool::new(false),
             arena: Arc::new(Arena::default()),
             rope_tables: RopeTables::default(),
+            spare: Mutex::new(Vec::new()),
         }
     }
 
@@ -507,5 +513,51 @@ impl Backend for CpuBackend {
 
     fn take_host(&self, x: CpuAct) -> Vec<f32> {
         x.data
+    }
+
+    fn act_for_overwrite(&self, rows: usize, cols: usize) -> CpuAct {
+        let n = rows * cols;
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        match spare.iter().position(|v| v.len() == n) {
+            Some(i) => CpuAct {
+                data: spare.swap_remove(i),
+                rows,
+                cols,
+            },
+            None => {
+                drop(spare);
+                self.act(rows, cols)
+            }
+        }
+    }
+
+    fn recycle(&self, host: Vec<f32>) {
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        if spare.len() < SPARE_BUFFERS {
+            spare.push(host);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recycled_buffers_come_back_for_their_size_only() {
+        let be = CpuBackend::new(1);
+        let v = vec![1.5f32; 1000];
+        let ptr = v.as_ptr();
+        be.recycle(v);
+        let other = be.act_for_overwrite(10, 10); // another size: a fresh, zeroed one
+        assert!(other.data.iter().all(|&x| x == 0.0));
+        let a = be.act_for_overwrite(2, 500);
+        assert_eq!((a.data.as_ptr(), a.rows, a.cols), (ptr, 2, 500));
+        let b = be.act_for_overwrite(2, 500); // the spare is taken: a fresh one
+        assert_ne!(b.data.as_ptr(), ptr);
+        for _ in 0..5 {
+            be.recycle(vec![0.0; 8]);
+        }
+        assert_eq!(be.spare.lock().unwrap().len(), SPARE_BUFFERS);
     }
 }

@@ -491,6 +491,19 @@ mod tests {
                     o.data
                 })
                 .collect();
+            // Every output element is written, whatever the buffer held before (logits rows are
+            // recycled through `act_for_overwrite`).
+            for (w, want) in ws.iter().zip(&single) {
+                let mut o = be.act(n, w.rows);
+                o.data.fill(f32::NAN);
+                be.matmul(w, &x, None, &mut o);
+                let same = o
+                    .data
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "n={n} {:?}: an output left unwritten", w.ty);
+            }
             // all but the F16 weight share one quantization; then every job together
             for take in [specs.len() - 1, specs.len()] {
                 let mut outs: Vec<_> = ws[..take].iter().map(|w| be.act(n, w.rows)).collect();
