@@ -18,6 +18,10 @@
 //!
 //! Run: `cargo bench --bench kernels [-- TYPE...]` (types by ggml name, e.g. `q4_K q6_K`; default:
 //! all types with a kernel). `INFER_SIMD` does not apply: every available level is measured.
+//!
+//! `cargo bench --bench kernels -- attention` times instead one decode step's attention (one query
+//! row, every head, the paged f16 cache in cache) for the two real models' shapes at several
+//! context lengths, on two threads, as the engine runs it.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -158,6 +162,9 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
+    if args.iter().any(|a| a == "attention") {
+        return attention();
+    }
     let types: Vec<GgmlType> = if args.is_empty() {
         TYPES.to_vec()
     } else {
@@ -398,5 +405,59 @@ fn decode_rows_line(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
             black_box(&out);
         });
         report("dot_rows (4 rows)", d, t, 1, Some(sdot));
+    }
+}
+
+/// One decode step's attention per layer: Qwen2.5-1.5B's shape (12 query heads on 2 KV heads of
+/// 128) and Gemma-3-270M's (4 on 1 of 256), the cache filled to each context length.
+fn attention() {
+    use infer::kernels::cpu::backend::CpuBackend;
+    use infer::model::backend::{AttnQuery, AttnShape, Backend, KvType};
+    let be = CpuBackend::new(2);
+    println!("decode attention, 2 threads, one query row, f16 paged cache (best of repetitions)");
+    for (name, n_head, n_kv, hd) in [("qwen2 1.5B", 12, 2, 128), ("gemma3 270M", 4, 1, 256)] {
+        let (bs, ctx) = (16usize, 2048usize);
+        let mut kv = be
+            .alloc_kv(1, ctx / bs, bs, n_kv * hd, KvType::F16)
+            .expect("kv cache");
+        let table: Vec<u32> = (0..(ctx / bs) as u32).collect();
+        let (mut k, mut v) = (be.act(1, n_kv * hd), be.act(1, n_kv * hd));
+        for p in 0..ctx {
+            for (i, x) in k.data.iter_mut().enumerate() {
+                *x = ((i * 31 + p * 7) % 97) as f32 / 30.0 - 1.6;
+            }
+            for (i, x) in v.data.iter_mut().enumerate() {
+                *x = ((i * 17 + p * 13) % 89) as f32 / 40.0 - 1.1;
+            }
+            be.kv_write(&mut kv, 0, &k, &v, &[p]);
+        }
+        let mut q = be.act(1, n_head * hd);
+        for (i, x) in q.data.iter_mut().enumerate() {
+            *x = ((i * 7) % 53) as f32 / 20.0 - 1.3;
+        }
+        let mut out = be.act(1, n_head * hd);
+        let shape = AttnShape {
+            n_head,
+            n_head_kv: n_kv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        for pos in [16u32, 128, 512, 2047] {
+            let qs = [AttnQuery {
+                block_table: &table,
+                pos,
+                lo: 0,
+            }];
+            let t = best(Duration::from_millis(300), || {
+                be.attention(&q, &kv, 0, &qs, shape, &mut out);
+                black_box(&out);
+            });
+            println!(
+                "  {name:<12} ctx {:>5}  {:8.2} us  {:6.1} ns per position",
+                pos + 1,
+                t.as_secs_f64() * 1e6,
+                t.as_secs_f64() * 1e9 / (pos + 1) as f64
+            );
+        }
     }
 }

@@ -406,50 +406,77 @@ pub fn attention(
         if range.is_empty() {
             return;
         }
-        let mut scratch = Scratch::new(hd);
-        let mut res = vec![0f32; hd];
-        let mut last = None;
-        for unit in range {
-            let (i, h) = (unit / shape.n_head, unit % shape.n_head);
-            let qa = &queries[i];
-            let off = (h / group) * hd;
-            let rows = (qa.block_table.as_ptr(), off);
-            let cold = last != Some(rows);
-            last = Some(rows);
-            let view = KvView {
-                wide: tiled.then(|| Heads {
-                    seq: &seqs[seq_of[i]].1,
-                    kvd,
-                    off,
-                    hd,
-                }),
-                paged: Paged {
-                    k: &kv.k[layer],
-                    v: &kv.v[layer],
-                    table: qa.block_table,
-                    bs: kv.block_size,
-                    kvd,
-                    off,
-                    hd,
-                    cold,
-                },
-            };
-            let qrow = &q.row(i)[h * hd..(h + 1) * hd];
-            let unit = Unit {
-                path: path_of(qa),
-                lo: qa.lo as usize,
-                pos: qa.pos as usize,
-                scale: shape.scale,
-                isa,
-            };
-            run_unit(&unit, qrow, &view, &mut scratch, &mut res);
-            // SAFETY: i < out.rows and (h + 1) * hd <= out_cols; unit (i, h) is handled by exactly
-            // one thread, so this slice is written once.
-            let o =
-                unsafe { std::slice::from_raw_parts_mut(dst.ptr().add(i * out_cols + h * hd), hd) };
-            o.copy_from_slice(&res);
-        }
+        SCRATCH.with_borrow_mut(|scratch| {
+            if scratch.first().is_some_and(|s| s.q16.len() != hd) {
+                scratch.clear();
+            }
+            let mut last = None;
+            let mut unit = range.start;
+            while unit < range.end {
+                let (i, h) = (unit / shape.n_head, unit % shape.n_head);
+                // The next heads of this query row that read the same KV head (a GQA group), run as
+                // one group so each key and value row is widened once for all of them.
+                let same_kv =
+                    |u: usize| u / shape.n_head == i && (u % shape.n_head) / group == h / group;
+                let mut end = unit + 1;
+                while end < range.end && end - unit < decode::MAX_GROUP && same_kv(end) {
+                    end += 1;
+                }
+                let ng = end - unit;
+                unit = end;
+                let qa = &queries[i];
+                let off = (h / group) * hd;
+                let rows = (qa.block_table.as_ptr(), off);
+                let cold = last != Some(rows);
+                last = Some(rows);
+                let view = KvView {
+                    wide: tiled.then(|| Heads {
+                        seq: &seqs[seq_of[i]].1,
+                        kvd,
+                        off,
+                        hd,
+                    }),
+                    paged: Paged {
+                        k: &kv.k[layer],
+                        v: &kv.v[layer],
+                        table: qa.block_table,
+                        bs: kv.block_size,
+                        kvd,
+                        off,
+                        hd,
+                        cold,
+                    },
+                };
+                let qrows: Vec<&[f32]> = (h..h + ng)
+                    .map(|h| &q.row(i)[h * hd..(h + 1) * hd])
+                    .collect();
+                // SAFETY: i < out.rows and (h + ng) * hd <= out_cols; units (i, h..h + ng) are handled
+                // by exactly one thread, so these slices are written once and do not overlap.
+                let mut res: Vec<&mut [f32]> = (h..h + ng)
+                    .map(|h| unsafe {
+                        std::slice::from_raw_parts_mut(dst.ptr().add(i * out_cols + h * hd), hd)
+                    })
+                    .collect();
+                let unit = Unit {
+                    path: path_of(qa),
+                    lo: qa.lo as usize,
+                    pos: qa.pos as usize,
+                    scale: shape.scale,
+                    isa,
+                };
+                while scratch.len() < ng {
+                    scratch.push(Scratch::new(hd));
+                }
+                run_units(&unit, &qrows, &view, &mut scratch[..ng], &mut res);
+            }
+        });
     });
+}
+
+thread_local! {
+    /// Each thread's per-head buffers, kept between calls (a decode step calls attention once
+    /// per layer; allocating a group's buffers each time showed in its time at short contexts).
+    static SCRATCH: std::cell::RefCell<Vec<Scratch>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// One (query row, head) problem.
@@ -461,53 +488,74 @@ struct Unit {
     isa: GgmlIsa,
 }
 
-/// Computes one unit into `res`, with hardware FMA where the CPU has it (the results are the same
-/// either way: `mul_add` is exactly rounded; without the feature it is a slow library call).
-fn run_unit(u: &Unit, q: &[f32], heads: &KvView<'_>, scratch: &mut Scratch, res: &mut [f32]) {
+/// Computes one unit per head of `qs` (heads of one query row that share a KV head; a scratch
+/// and a result row each) into `res`, with hardware FMA where the CPU has it (the results are the
+/// same either way: `mul_add` is exactly rounded; without the feature it is a slow library call).
+fn run_units(
+    u: &Unit,
+    qs: &[&[f32]],
+    heads: &KvView<'_>,
+    scratch: &mut [Scratch],
+    res: &mut [&mut [f32]],
+) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has FMA (checked just above).
-        unsafe { run_unit_fma(u, q, heads, scratch, res) };
+        unsafe { run_units_fma(u, qs, heads, scratch, res) };
         return;
     }
-    run_unit_impl(u, q, heads, scratch, res);
+    run_units_impl(u, qs, heads, scratch, res);
 }
 
-/// [`run_unit_impl`] compiled with FMA.
+/// [`run_units_impl`] compiled with FMA.
 ///
 /// # Safety
 /// The CPU supports FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fma")]
-unsafe fn run_unit_fma(
+unsafe fn run_units_fma(
     u: &Unit,
-    q: &[f32],
+    qs: &[&[f32]],
     heads: &KvView<'_>,
-    scratch: &mut Scratch,
-    res: &mut [f32],
+    scratch: &mut [Scratch],
+    res: &mut [&mut [f32]],
 ) {
-    run_unit_impl(u, q, heads, scratch, res);
+    run_units_impl(u, qs, heads, scratch, res);
 }
 
 #[inline(always)]
-fn run_unit_impl(u: &Unit, q: &[f32], view: &KvView<'_>, scratch: &mut Scratch, res: &mut [f32]) {
+fn run_units_impl(
+    u: &Unit,
+    qs: &[&[f32]],
+    view: &KvView<'_>,
+    scratch: &mut [Scratch],
+    res: &mut [&mut [f32]],
+) {
     let (lo, pos, scale, isa) = (u.lo, u.pos, u.scale, u.isa);
     let heads = &view.paged;
+    if u.path != Path::Tiled {
+        for (s, q) in scratch.iter_mut().zip(qs) {
+            s.set_q16(q);
+        }
+    }
     match u.path {
         Path::Tiled => {
             let wide = view.wide.as_ref().expect("widened rows for the tiled path");
-            tiled(q, wide, lo, pos, scale, isa, scratch, res)
+            for ((q, s), r) in qs.iter().zip(scratch.iter_mut()).zip(res.iter_mut()) {
+                tiled(q, wide, lo, pos, scale, isa, s, r);
+            }
         }
         Path::OneChunk => {
-            scratch.set_q16(q);
-            let (_, s) = decode::one_chunk(heads, lo, pos, scale, isa, scratch);
-            let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
-            for (r, &a) in res.iter_mut().zip(&scratch.acc) {
-                *r = a * inv;
+            let mut ms = [(0f32, 0f32); decode::MAX_GROUP];
+            decode::one_chunk_heads(heads, lo, pos, scale, isa, scratch, &mut ms);
+            for ((r, s), &(_, sum)) in res.iter_mut().zip(scratch.iter()).zip(&ms) {
+                let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+                for (r, &a) in r.iter_mut().zip(&s.acc) {
+                    *r = a * inv;
+                }
             }
         }
         Path::Split { chunk, n_kv } => {
-            scratch.set_q16(q);
             decode::split_kv(heads, lo, pos, scale, isa, chunk, n_kv, scratch, res)
         }
     }

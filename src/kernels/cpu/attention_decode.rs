@@ -292,6 +292,75 @@ mod f16c {
 mod avx512 {
     use std::arch::x86_64::*;
 
+    /// `super::f16c::one_chunk` (ggml's AVX-512 build) for every head of `group` at once: key row
+    /// `p` is widened to `N` vectors once, then each head's score is its `ggml_vec_dot_f16` (four
+    /// accumulators over the vectors in turn, folded pairwise, `reduce16`'s lane order) times
+    /// `scale`, and its online softmax steps as there (libm `expf`). Then each head's V pass.
+    ///
+    /// # Safety
+    /// The AVX-512 level is available; `heads.hd == 16 * N`; every scratch holds `16 * N` values.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn one_chunk_group<const N: usize>(
+        heads: &super::Paged<'_>,
+        lo: usize,
+        hi: usize,
+        scale: f32,
+        group: &mut [super::Scratch],
+        ms: &mut [(f32, f32)],
+    ) {
+        assert!(heads.hd == 16 * N && ms.len() >= group.len());
+        for (s, m) in group.iter_mut().zip(ms.iter_mut()) {
+            assert!(s.q16.len() == 16 * N && s.acc.len() == 16 * N);
+            s.steps.clear();
+            *m = (f32::NEG_INFINITY, 0.0);
+        }
+        let pf = if heads.cold { super::PREFETCH } else { hi + 1 };
+        for p in lo..(lo + pf).min(hi + 1) {
+            heads.prefetch(p);
+        }
+        for p in lo..=hi {
+            if p + pf <= hi {
+                heads.prefetch(p + pf);
+            }
+            let k = heads.k(p)[..16 * N].as_ptr();
+            // SAFETY: k points at 16 * N f16 values (the slice above), j < N.
+            let kf: [__m512; N] = std::array::from_fn(|j| {
+                _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(k.add(16 * j).cast()) })
+            });
+            for (s, m) in group.iter_mut().zip(ms.iter_mut()) {
+                let q = s.q16.as_ptr();
+                let mut acc = [_mm512_setzero_ps(); 4];
+                for (j, kj) in kf.iter().enumerate() {
+                    // SAFETY: q16 holds 16 * N floats (asserted), j < N.
+                    let qj = unsafe { _mm512_loadu_ps(q.add(16 * j)) };
+                    acc[j % 4] = _mm512_fmadd_ps(qj, *kj, acc[j % 4]);
+                }
+                let f = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
+                // reduce16: t3 = high + low halves, t6 = folded again, (t6[0]+t6[2]) + (t6[1]+t6[3])
+                let hi8 = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(f)));
+                let t3 = _mm256_add_ps(hi8, _mm512_castps512_ps256(f));
+                let t6 = _mm_add_ps(_mm256_extractf128_ps::<1>(t3), _mm256_castps256_ps128(t3));
+                let mut t = [0f32; 4];
+                // SAFETY: t holds four floats.
+                unsafe { _mm_storeu_ps(t.as_mut_ptr(), t6) };
+                let sc = ((t[0] + t[2]) + (t[1] + t[3])) * scale;
+                let (mut msv, mut vs) = (1.0f32, 1.0f32);
+                if sc > m.0 {
+                    msv = (m.0 - sc).exp();
+                    m.0 = sc;
+                } else {
+                    vs = (sc - m.0).exp();
+                }
+                s.steps.push((msv, vs));
+                m.1 = m.1.mul_add(msv, vs);
+            }
+        }
+        for s in group.iter_mut() {
+            // SAFETY: as this function's contract (the AVX-512 level; hd == acc.len() == 16 * N).
+            unsafe { v_pass::<N>(heads, lo, &s.steps, &mut s.acc) };
+        }
+    }
+
     /// Accumulates `heads.v(lo + i)` by `steps[i] = (ms, vs)` into `acc` (`16 * N` values) as
     /// the AVX2 V pass does.
     ///
@@ -329,6 +398,42 @@ mod avx512 {
     }
 }
 
+/// [`one_chunk`] for heads that read one KV head (a GQA group), each with its own scratch
+/// (`q16` set), head `g`'s (max, sum) into `ms[g]`: the same arithmetic per head, but at the
+/// AVX-512 level (and ggml's AVX-512 build mimicked) each key row is widened once for all heads.
+pub(super) fn one_chunk_heads(
+    heads: &Paged<'_>,
+    lo: usize,
+    hi: usize,
+    scale: f32,
+    isa: GgmlIsa,
+    group: &mut [Scratch],
+    ms: &mut [(f32, f32)],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if group.len() > 1
+        && isa == GgmlIsa::Avx512
+        && crate::kernels::cpu::simd::current() >= crate::kernels::cpu::simd::Level::Avx512
+    {
+        type Group = unsafe fn(&Paged<'_>, usize, usize, f32, &mut [Scratch], &mut [(f32, f32)]);
+        let f: Option<Group> = match heads.hd {
+            64 => Some(avx512::one_chunk_group::<4>),
+            128 => Some(avx512::one_chunk_group::<8>),
+            // At 256 (Gemma-3) two heads at a time were 10-16% slower than one (contexts
+            // 128-400, in cache); the per-head kernel stays.
+            _ => None,
+        };
+        if let Some(f) = f {
+            // SAFETY: the AVX-512 level was detected and the head width is the kernel's 16 * N.
+            unsafe { f(heads, lo, hi, scale, group, ms) };
+            return;
+        }
+    }
+    for (s, m) in group.iter_mut().zip(ms.iter_mut()) {
+        *m = one_chunk(heads, lo, hi, scale, isa, s);
+    }
+}
+
 /// ggml's split-KV decode: one_chunk per chunk of `chunk` cells of `0..n_kv`, then
 /// `ggml_flash_attn_ext_reduce_partials` (its multiply-adds fused as GCC compiles them).
 #[allow(clippy::too_many_arguments)]
@@ -341,36 +446,54 @@ pub(super) fn split_kv(
     isa: GgmlIsa,
     chunk: usize,
     n_kv: usize,
-    scratch: &mut Scratch,
-    res: &mut [f32],
+    group: &mut [Scratch],
+    res: &mut [&mut [f32]],
 ) {
-    let mut m_final = f32::NEG_INFINITY;
-    let mut s_final = 0f32;
-    scratch.merged.iter_mut().for_each(|v| *v = 0.0);
+    // Per head of the group (heads sharing one KV head, each with its scratch and result row).
+    let ng = group.len();
+    let mut m_final = [f32::NEG_INFINITY; MAX_GROUP];
+    let mut s_final = [0f32; MAX_GROUP];
+    let mut ms = [(0f32, 0f32); MAX_GROUP];
+    assert!(ng <= MAX_GROUP && res.len() == ng);
+    for s in group.iter_mut() {
+        s.merged.iter_mut().for_each(|v| *v = 0.0);
+    }
     for c0 in (0..n_kv).step_by(chunk) {
         let c1 = (c0 + chunk).min(n_kv) - 1;
         let (a, b) = (lo.max(c0), pos.min(c1));
         if a > b {
             continue; // nothing visible: S == 0, skipped by the reduction
         }
-        let (m_c, s_c) = one_chunk(heads, a, b, scale, isa, scratch);
-        if s_c == 0.0 {
-            continue;
+        one_chunk_heads(heads, a, b, scale, isa, group, &mut ms[..ng]);
+        for (g, s) in group.iter_mut().enumerate() {
+            let (m_c, s_c) = ms[g];
+            if s_c == 0.0 {
+                continue;
+            }
+            let m_new = m_final[g].max(m_c);
+            let scale_old = (m_final[g] - m_new).exp();
+            let scale_new = (m_c - m_new).exp();
+            for (f, &v) in s.merged.iter_mut().zip(&s.acc) {
+                *f = f.mul_add(scale_old, v * scale_new);
+            }
+            s_final[g] = s_final[g].mul_add(scale_old, s_c * scale_new);
+            m_final[g] = m_new;
         }
-        let m_new = m_final.max(m_c);
-        let scale_old = (m_final - m_new).exp();
-        let scale_new = (m_c - m_new).exp();
-        for (f, &v) in scratch.merged.iter_mut().zip(&scratch.acc) {
-            *f = f.mul_add(scale_old, v * scale_new);
-        }
-        s_final = s_final.mul_add(scale_old, s_c * scale_new);
-        m_final = m_new;
     }
-    let inv = if s_final != 0.0 { 1.0 / s_final } else { 1.0 };
-    for (r, &v) in res.iter_mut().zip(&scratch.merged) {
-        *r = v * inv;
+    for (g, (r, s)) in res.iter_mut().zip(group.iter()).enumerate() {
+        let inv = if s_final[g] != 0.0 {
+            1.0 / s_final[g]
+        } else {
+            1.0
+        };
+        for (r, &v) in r.iter_mut().zip(&s.merged) {
+            *r = v * inv;
+        }
     }
 }
+
+/// Heads a group may hold ([`split_kv`], [`one_chunk_heads`]).
+pub(super) const MAX_GROUP: usize = 8;
 
 /// `ggml_vec_dot_f16` of two f16-valued rows (given widened to f32): per step of 4 vectors, one FMA
 /// accumulator per vector (8 lanes on AVX2, 16 on AVX-512), accumulators folded pairwise, lanes
@@ -497,6 +620,92 @@ mod tests {
                 );
                 for (x, y) in b.acc.iter().zip(&a.acc) {
                     assert_eq!(x.to_bits(), y.to_bits(), "{isa:?} hd {hd} {lo}..={hi}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_heads_equal_one_head_at_a_time() {
+        for hd in [64, 128, 256, 192] {
+            let (bs, kvd, n): (usize, usize, usize) = (16, 2 * hd, 200);
+            let f = |seed: u32, k: usize, mul: f32| -> Vec<f16> {
+                crate::kernels::cpu::test_floats(k, seed)
+                    .iter()
+                    .map(|&v| f16::from_f32(v * mul))
+                    .collect()
+            };
+            let cells = n.div_ceil(bs) * bs;
+            let (k, v) = (f(5, cells * kvd, 1.5), f(6, cells * kvd, 2.0));
+            let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
+            let heads = Paged {
+                k: &k,
+                v: &v,
+                table: &table,
+                bs,
+                kvd,
+                off: hd,
+                hd,
+                cold: true,
+            };
+            for ng in [1, 2, 3, 6] {
+                let qs: Vec<Vec<f32>> = (0..ng)
+                    .map(|g| crate::kernels::cpu::test_floats(hd, 40 + g as u32))
+                    .collect();
+                let fresh = || -> Vec<Scratch> {
+                    qs.iter()
+                        .map(|q| {
+                            let mut s = Scratch::new(hd);
+                            s.set_q16(q);
+                            s
+                        })
+                        .collect()
+                };
+                for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
+                    for (lo, hi) in [(0, 0), (0, 199), (33, 150)] {
+                        let (mut a, mut b) = (fresh(), fresh());
+                        let mut ms = vec![(0f32, 0f32); ng];
+                        one_chunk_heads(&heads, lo, hi, 0.07, isa, &mut b, &mut ms);
+                        for g in 0..ng {
+                            let want = one_chunk(&heads, lo, hi, 0.07, isa, &mut a[g]);
+                            let at = format!("hd {hd} heads {ng} {isa:?} {lo}..={hi} head {g}");
+                            assert_eq!(
+                                (ms[g].0.to_bits(), ms[g].1.to_bits()),
+                                (want.0.to_bits(), want.1.to_bits()),
+                                "{at}"
+                            );
+                            let bits =
+                                |s: &Scratch| s.acc.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(bits(&b[g]), bits(&a[g]), "{at}");
+                        }
+                        // The split-KV merge over chunks, grouped, against one head at a time.
+                        let (mut a, mut b) = (fresh(), fresh());
+                        let mut rb = vec![vec![0f32; hd]; ng];
+                        let mut rbs: Vec<&mut [f32]> = rb.iter_mut().map(|r| &mut r[..]).collect();
+                        split_kv(&heads, lo, hi, 0.07, isa, 64, 256, &mut b, &mut rbs);
+                        for g in 0..ng {
+                            let mut ra = vec![0f32; hd];
+                            split_kv(
+                                &heads,
+                                lo,
+                                hi,
+                                0.07,
+                                isa,
+                                64,
+                                256,
+                                &mut a[g..g + 1],
+                                &mut [&mut ra[..]],
+                            );
+                            let same = ra
+                                .iter()
+                                .zip(&rb[g])
+                                .all(|(x, y)| x.to_bits() == y.to_bits());
+                            assert!(
+                                same,
+                                "split: hd {hd} heads {ng} {isa:?} {lo}..={hi} head {g}"
+                            );
+                        }
+                    }
                 }
             }
         }
