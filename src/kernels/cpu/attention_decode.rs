@@ -583,8 +583,9 @@ mod tests {
         }
     }
 
-    fn two_pass_case(hd: usize, cold: bool) {
-        let (bs, kvd, n): (usize, usize, usize) = (32, 2 * hd, 300);
+    /// K and V for `n` positions of two KV heads of `hd` in blocks of `bs` (random f16 values),
+    /// and a block table that hands the blocks out in reverse, as a paged cache may.
+    fn test_cache(hd: usize, bs: usize, n: usize, seed: u32) -> (Vec<f16>, Vec<f16>, Vec<u32>) {
         let f = |seed: u32, k: usize, mul: f32| -> Vec<f16> {
             crate::kernels::cpu::test_floats(k, seed)
                 .iter()
@@ -592,19 +593,38 @@ mod tests {
                 .collect()
         };
         let cells = n.div_ceil(bs) * bs;
-        let (k, v) = (f(3, cells * kvd, 1.5), f(4, cells * kvd, 2.0));
-        // blocks out of order, as a paged cache hands them out
-        let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
-        let heads = Paged {
-            k: &k,
-            v: &v,
-            table: &table,
+        let (k, v) = (
+            f(seed, cells * 2 * hd, 1.5),
+            f(seed + 1, cells * 2 * hd, 2.0),
+        );
+        (k, v, (0..n.div_ceil(bs) as u32).rev().collect())
+    }
+
+    /// The second of the two KV heads `test_cache` lays out.
+    fn second_head<'a>(
+        k: &'a [f16],
+        v: &'a [f16],
+        table: &'a [u32],
+        bs: usize,
+        hd: usize,
+        cold: bool,
+    ) -> Paged<'a> {
+        Paged {
+            k,
+            v,
+            table,
             bs,
-            kvd,
+            kvd: 2 * hd,
             off: hd,
             hd,
             cold,
-        };
+        }
+    }
+
+    fn two_pass_case(hd: usize, cold: bool) {
+        let (bs, n): (usize, usize) = (32, 300);
+        let (k, v, table) = test_cache(hd, bs, n, 3);
+        let heads = second_head(&k, &v, &table, bs, hd, cold);
         let q = crate::kernels::cpu::test_floats(hd, 7);
         for isa in [GgmlIsa::Avx2, GgmlIsa::Avx512] {
             for (lo, hi) in [(0, 0), (0, 299), (17, 140), (250, 299)] {
@@ -628,26 +648,9 @@ mod tests {
     #[test]
     fn grouped_heads_equal_one_head_at_a_time() {
         for hd in [64, 128, 256, 192] {
-            let (bs, kvd, n): (usize, usize, usize) = (16, 2 * hd, 200);
-            let f = |seed: u32, k: usize, mul: f32| -> Vec<f16> {
-                crate::kernels::cpu::test_floats(k, seed)
-                    .iter()
-                    .map(|&v| f16::from_f32(v * mul))
-                    .collect()
-            };
-            let cells = n.div_ceil(bs) * bs;
-            let (k, v) = (f(5, cells * kvd, 1.5), f(6, cells * kvd, 2.0));
-            let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
-            let heads = Paged {
-                k: &k,
-                v: &v,
-                table: &table,
-                bs,
-                kvd,
-                off: hd,
-                hd,
-                cold: true,
-            };
+            let (bs, n): (usize, usize) = (16, 200);
+            let (k, v, table) = test_cache(hd, bs, n, 5);
+            let heads = second_head(&k, &v, &table, bs, hd, true);
             for ng in [1, 2, 3, 6] {
                 let qs: Vec<Vec<f32>> = (0..ng)
                     .map(|g| crate::kernels::cpu::test_floats(hd, 40 + g as u32))
