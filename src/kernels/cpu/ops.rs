@@ -291,13 +291,78 @@ fn gelu_tanh_f32(x: f32) -> f32 {
 /// GELU as ggml's CPU backend computes it: the input rounded to f16, looked up in a table of
 /// f16-rounded results; identity above 10 and zero below -10.
 fn gelu_table() -> &'static [f16] {
+    &gelu_table_padded()[..1 << 16]
+}
+
+/// [`gelu_table`] and one zero entry past its end, so a 32-bit gather at any index stays inside.
+fn gelu_table_padded() -> &'static [f16] {
     use std::sync::OnceLock;
     static TABLE: OnceLock<Vec<f16>> = OnceLock::new();
     TABLE.get_or_init(|| {
         (0..=u16::MAX)
             .map(|bits| f16::from_f32(gelu_tanh(f16::from_bits(bits).to_f32())))
+            .chain([f16::ZERO])
             .collect()
     })
+}
+
+/// GeGLU through [`gelu_table`] one value at a time: `gate = gelu(gate) * up`.
+fn gelu_glu_scalar(gate: &mut [f32], up: &[f32]) {
+    let table = gelu_table();
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = if x <= -10.0 {
+            0.0
+        } else if x >= 10.0 {
+            x * u
+        } else {
+            table[f16::from_f32(x).to_bits() as usize].to_f32() * u
+        };
+    }
+}
+
+/// [`gelu_glu_scalar`] eight values at a time: the inputs rounded to f16 by F16C (round to
+/// nearest even, as `f16::from_f32`), the table entries gathered, widened (exact), multiplied by
+/// `up`; the ±10 cases blended in as the scalar branches take them. The same results, NaN
+/// payloads aside.
+///
+/// # Safety
+/// AVX2 and F16C are available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn gelu_glu_f16c(gate: &mut [f32], up: &[f32]) {
+    use std::arch::x86_64::*;
+    let n = gate.len().min(up.len());
+    let n8 = n - n % 8;
+    let table = gelu_table_padded();
+    let base = table.as_ptr().cast::<i32>();
+    let (lo, hi) = (_mm256_set1_ps(-10.0), _mm256_set1_ps(10.0));
+    // Each gathered dword's low half (bytes 0-1 of every dword) to the low 8 bytes of each
+    // 128-bit lane, then the two lanes' halves together.
+    let pick = _mm256_setr_epi8(
+        0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1, -1,
+        -1, -1, -1, -1, -1, -1,
+    );
+    for i in (0..n8).step_by(8) {
+        // SAFETY: i + 8 <= n8 <= both lengths.
+        let (x, u) = unsafe {
+            (
+                _mm256_loadu_ps(gate.as_ptr().add(i)),
+                _mm256_loadu_ps(up.as_ptr().add(i)),
+            )
+        };
+        let idx = _mm256_cvtepu16_epi32(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+        // SAFETY: every index is below 2^16 and the table has 2^16 + 1 two-byte entries, so the
+        // four bytes read at `base + 2 * idx` lie inside it.
+        let t = unsafe { _mm256_i32gather_epi32::<2>(base, idx) };
+        let t = _mm256_permute4x64_epi64::<0b1000>(_mm256_shuffle_epi8(t, pick));
+        let g = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(t)), u);
+        let g = _mm256_blendv_ps(g, _mm256_mul_ps(x, u), _mm256_cmp_ps::<_CMP_GE_OQ>(x, hi));
+        let g = _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LE_OQ>(x, lo), g);
+        // SAFETY: as for the loads.
+        unsafe { _mm256_storeu_ps(gate.as_mut_ptr().add(i), g) };
+    }
+    gelu_glu_scalar(&mut gate[n8..n], &up[n8..n]);
 }
 
 /// gate = act(gate) * up, element-wise.
@@ -349,17 +414,12 @@ fn glu_impl(gate: &mut [f32], up: &[f32], act: Activation) {
             }
         }
         Activation::GeluTanh => {
-            let table = gelu_table();
-            for (g, &u) in gate.iter_mut().zip(up) {
-                let x = *g;
-                *g = if x <= -10.0 {
-                    0.0
-                } else if x >= 10.0 {
-                    x * u
-                } else {
-                    table[f16::from_f32(x).to_bits() as usize].to_f32() * u
-                };
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+                // SAFETY: AVX2 and F16C were detected just above.
+                return unsafe { gelu_glu_f16c(gate, up) };
             }
+            gelu_glu_scalar(gate, up)
         }
     }
 }
@@ -422,6 +482,39 @@ mod tests {
         let mut x = [1.0f32, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
         rope_head(&mut x, &cache, RopeStyle::Neox);
         assert!((x[0] - 7f32.cos()).abs() < 1e-6 && (x[4] - 7f32.sin()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gelu_glu_f16c_equals_the_scalar_loop() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c")) {
+            return;
+        }
+        // Every f16 value (every table index, the ±10 edges, infinities), then random values
+        // with halfway cases, over lengths with and without a tail.
+        let mut x: Vec<f32> = (0..=u16::MAX)
+            .map(|b| f16::from_bits(b).to_f32())
+            .filter(|v| !v.is_nan())
+            .collect();
+        x.extend([
+            -10.0, 10.0, -10.000001, 9.999999, 65519.0, 65520.0, -65520.0, 0.0, -0.0,
+        ]);
+        x.extend(
+            crate::kernels::cpu::test_floats(20_003, 9)
+                .iter()
+                .map(|v| v * 7.0),
+        );
+        let up: Vec<f32> = (0..x.len())
+            .map(|i| ((i * 37) % 101) as f32 / 25.0 - 2.0)
+            .collect();
+        for len in [x.len(), 7, 8, 13] {
+            let (mut a, mut b) = (x[..len].to_vec(), x[..len].to_vec());
+            gelu_glu_scalar(&mut a, &up[..len]);
+            // SAFETY: AVX2 and F16C were detected above.
+            unsafe { gelu_glu_f16c(&mut b, &up[..len]) };
+            for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+                assert_eq!(p.to_bits(), q.to_bits(), "x = {} (index {i})", x[i]);
+            }
+        }
     }
 
     #[test]
