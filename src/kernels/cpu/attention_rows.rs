@@ -31,6 +31,25 @@ pub(super) fn tiled_rows(
     isa: GgmlIsa,
     res: &mut [Vec<f32>],
 ) {
+    assert!(applies(heads.hd));
+    // SAFETY: `applies` means a non-scalar SIMD level, detected with AVX2 and FMA.
+    unsafe { tiled_rows_fma(qs, heads, ranges, scale, isa, res) }
+}
+
+/// [`tiled_rows`] compiled with FMA, so the `mul_add`s of what it inlines (the softmax's
+/// exponential) are instructions, not libm `fmaf` calls (same results: exactly rounded either way).
+///
+/// # Safety
+/// AVX2 and FMA are available.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tiled_rows_fma(
+    qs: &[&[f32]],
+    heads: &Heads<'_>,
+    ranges: &[(usize, usize)],
+    scale: f32,
+    isa: GgmlIsa,
+    res: &mut [Vec<f32>],
+) {
     let n = qs.len();
     let hd = heads.hd;
     assert!((1..=ROWS).contains(&n) && ranges.len() == n && res.len() >= n && applies(hd));
