@@ -365,7 +365,8 @@ pub fn attention(
                     .clone()
                     .map(|i| (queries[i].lo as usize, queries[i].pos as usize))
                     .collect();
-                rows::tiled_rows(&qs, &heads, &ranges, shape.scale, isa, &mut res);
+                // SAFETY: `rows::applies(hd)` was checked before this region.
+                unsafe { rows::tiled_rows(&qs, &heads, &ranges, shape.scale, isa, &mut res) };
                 for (r, i) in blk.clone().enumerate() {
                     // SAFETY: i < out.rows and (h + 1) * hd <= out_cols; unit (block, h) is
                     // handled by exactly one thread and row i is in one block only, so this slice
@@ -859,7 +860,8 @@ mod tests {
             for ranges in cases {
                 let qr: Vec<&[f32]> = qs[..ranges.len()].iter().map(|q| q.as_slice()).collect();
                 let mut got: Vec<Vec<f32>> = (0..4).map(|_| vec![0f32; hd]).collect();
-                rows::tiled_rows(&qr, &heads, ranges, 0.07, isa, &mut got);
+                // SAFETY: the test returns early unless `rows::applies(hd)`.
+                unsafe { rows::tiled_rows(&qr, &heads, ranges, 0.07, isa, &mut got) };
                 for (r, &(lo, pos)) in ranges.iter().enumerate() {
                     let mut scratch = Scratch::new(hd);
                     let mut want = vec![0f32; hd];

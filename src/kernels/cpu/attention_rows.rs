@@ -23,26 +23,13 @@ pub(super) fn applies(hd: usize) -> bool {
 
 /// Rows `qs` (1..=ROWS) with visible ranges `ranges[r] = (lo, pos)` over the widened keys of one
 /// head; row r's normalised result goes to `res[r]`. Panics unless [`applies`] holds.
-pub(super) fn tiled_rows(
-    qs: &[&[f32]],
-    heads: &Heads<'_>,
-    ranges: &[(usize, usize)],
-    scale: f32,
-    isa: GgmlIsa,
-    res: &mut [Vec<f32>],
-) {
-    assert!(applies(heads.hd));
-    // SAFETY: `applies` means a non-scalar SIMD level, detected with AVX2 and FMA.
-    unsafe { tiled_rows_fma(qs, heads, ranges, scale, isa, res) }
-}
-
-/// [`tiled_rows`] compiled with FMA, so the `mul_add`s of what it inlines (the softmax's
-/// exponential) are instructions, not libm `fmaf` calls (same results: exactly rounded either way).
+/// Compiled with AVX2 and FMA, so the `mul_add`s of what it inlines (the softmax's exponential)
+/// are instructions, not libm `fmaf` calls (the same results: exactly rounded either way).
 ///
 /// # Safety
-/// AVX2 and FMA are available.
+/// [`applies`] holds for the head size (a non-scalar SIMD level: AVX2 and FMA detected).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn tiled_rows_fma(
+pub(super) unsafe fn tiled_rows(
     qs: &[&[f32]],
     heads: &Heads<'_>,
     ranges: &[(usize, usize)],
