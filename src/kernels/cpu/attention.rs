@@ -412,6 +412,7 @@ pub fn attention(
                 scratch.clear();
             }
             let mut last = None;
+            let (mut qrows, mut res) = (Vec::new(), Vec::new());
             let mut unit = range.start;
             while unit < range.end {
                 let (i, h) = (unit / shape.n_head, unit % shape.n_head);
@@ -448,16 +449,14 @@ pub fn attention(
                         cold,
                     },
                 };
-                let qrows: Vec<&[f32]> = (h..h + ng)
-                    .map(|h| &q.row(i)[h * hd..(h + 1) * hd])
-                    .collect();
+                qrows.clear();
+                qrows.extend((h..h + ng).map(|h| &q.row(i)[h * hd..(h + 1) * hd]));
+                res.clear();
                 // SAFETY: i < out.rows and (h + ng) * hd <= out_cols; units (i, h..h + ng) are handled
                 // by exactly one thread, so these slices are written once and do not overlap.
-                let mut res: Vec<&mut [f32]> = (h..h + ng)
-                    .map(|h| unsafe {
-                        std::slice::from_raw_parts_mut(dst.ptr().add(i * out_cols + h * hd), hd)
-                    })
-                    .collect();
+                res.extend((h..h + ng).map(|h| unsafe {
+                    std::slice::from_raw_parts_mut(dst.ptr().add(i * out_cols + h * hd), hd)
+                }));
                 let unit = Unit {
                     path: path_of(qa),
                     lo: qa.lo as usize,

@@ -9,8 +9,42 @@ use half::slice::HalfFloatSliceExt;
 
 use super::{reduce16, GgmlIsa, Paged, Scratch};
 
-/// Positions ahead whose K and V rows `f16c::one_chunk` asks for while it scores.
+/// Positions ahead whose K and V rows a cold scan asks for while it scores.
 const PREFETCH: usize = 8;
+
+impl Paged<'_> {
+    /// The prefetches due before position `p` of a scan over `lo..=hi` is scored, where these
+    /// rows are cold: the first [`PREFETCH`] positions at the start, then one position ahead.
+    #[inline(always)]
+    fn prefetch_ahead(&self, p: usize, lo: usize, hi: usize) {
+        if !self.cold {
+            return;
+        }
+        if p == lo {
+            for q in lo..(lo + PREFETCH).min(hi + 1) {
+                self.prefetch(q);
+            }
+        }
+        if p + PREFETCH <= hi {
+            self.prefetch(p + PREFETCH);
+        }
+    }
+}
+
+/// One online-softmax step of ggml's one_chunk for score `s`: updates the running max `m` and
+/// denominator `sum`, returns the (accumulator scale, value weight) pair for the V pass.
+#[inline(always)]
+fn softmax_step(s: f32, m: &mut f32, sum: &mut f32) -> (f32, f32) {
+    let (mut ms, mut vs) = (1.0f32, 1.0f32);
+    if s > *m {
+        ms = (*m - s).exp();
+        *m = s;
+    } else {
+        vs = (s - *m).exp();
+    }
+    *sum = sum.mul_add(ms, vs);
+    (ms, vs)
+}
 
 /// `ggml_compute_forward_flash_attn_ext_f16_one_chunk` for one head over the visible positions in
 /// `lo..=hi` (cells = positions), with `scratch.q16` set: leaves the unnormalised V sum in
@@ -174,24 +208,10 @@ mod f16c {
         let mut m = f32::NEG_INFINITY;
         let mut sum = 0f32;
         steps.clear();
-        let pf = if heads.cold { super::PREFETCH } else { hi + 1 };
-        for p in lo..(lo + pf).min(hi + 1) {
-            heads.prefetch(p);
-        }
         for p in lo..=hi {
-            if p + pf <= hi {
-                heads.prefetch(p + super::PREFETCH);
-            }
+            heads.prefetch_ahead(p, lo, hi);
             let s = dot(q16, heads.k(p), isa) * scale;
-            let (mut ms, mut vs) = (1.0f32, 1.0f32);
-            if s > m {
-                ms = (m - s).exp();
-                m = s;
-            } else {
-                vs = (s - m).exp();
-            }
-            steps.push((ms, vs));
-            sum = sum.mul_add(ms, vs);
+            steps.push(super::softmax_step(s, &mut m, &mut sum));
         }
         type VPass = unsafe fn(&super::Paged<'_>, usize, &[(f32, f32)], &mut [f32]);
         let wide: Option<VPass> = match hd {
@@ -314,14 +334,8 @@ mod avx512 {
             s.steps.clear();
             *m = (f32::NEG_INFINITY, 0.0);
         }
-        let pf = if heads.cold { super::PREFETCH } else { hi + 1 };
-        for p in lo..(lo + pf).min(hi + 1) {
-            heads.prefetch(p);
-        }
         for p in lo..=hi {
-            if p + pf <= hi {
-                heads.prefetch(p + pf);
-            }
+            heads.prefetch_ahead(p, lo, hi);
             let k = heads.k(p)[..16 * N].as_ptr();
             // SAFETY: k points at 16 * N f16 values (the slice above), j < N.
             let kf: [__m512; N] = std::array::from_fn(|j| {
@@ -344,15 +358,7 @@ mod avx512 {
                 // SAFETY: t holds four floats.
                 unsafe { _mm_storeu_ps(t.as_mut_ptr(), t6) };
                 let sc = ((t[0] + t[2]) + (t[1] + t[3])) * scale;
-                let (mut msv, mut vs) = (1.0f32, 1.0f32);
-                if sc > m.0 {
-                    msv = (m.0 - sc).exp();
-                    m.0 = sc;
-                } else {
-                    vs = (sc - m.0).exp();
-                }
-                s.steps.push((msv, vs));
-                m.1 = m.1.mul_add(msv, vs);
+                s.steps.push(super::softmax_step(sc, &mut m.0, &mut m.1));
             }
         }
         for s in group.iter_mut() {

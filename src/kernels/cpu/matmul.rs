@@ -156,18 +156,16 @@ fn decode_many(pool: &ThreadPool, jobs: &mut [(&CpuWeight, &mut CpuAct)], xq: &[
     // Cut points by bytes, not units: a Q6_K unit is half again a Q4_K unit, and Qwen's QKV
     // region mixes them (its V projection is Q6_K in half the layers).
     let unit_bytes: Vec<usize> = ws.iter().map(|w| DECODE_UNIT * w.row_bytes).collect();
-    let total_bytes: usize = (0..jobs.len())
-        .map(|i| (starts[i + 1] - starts[i]) * unit_bytes[i])
-        .sum();
+    let job_bytes = |i: usize| (starts[i + 1] - starts[i]) * unit_bytes[i];
+    let total_bytes: usize = (0..ws.len()).map(job_bytes).sum();
     let cut = |t: usize| -> usize {
         // The first unit at which `t / threads` of the bytes are behind.
         let mut want = total_bytes * t / pool.n_threads();
         for i in 0..ws.len() {
-            let job = (starts[i + 1] - starts[i]) * unit_bytes[i];
-            if want < job {
+            if want < job_bytes(i) {
                 return starts[i] + want.div_ceil(unit_bytes[i]);
             }
-            want -= job;
+            want -= job_bytes(i);
         }
         total
     };

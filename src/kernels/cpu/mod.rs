@@ -58,14 +58,20 @@ impl SharedMut<f32> {
     }
 }
 
+/// The states of a 32-bit LCG after `seed`, the source of the kernel tests' data.
+#[cfg(test)]
+pub(crate) fn test_lcg(seed: u32) -> impl Iterator<Item = u32> {
+    std::iter::successors(Some(seed), |s| {
+        Some(s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223))
+    })
+    .skip(1)
+}
+
 /// Deterministic test floats in [-2, 2) (an LCG), for the kernel tests.
 #[cfg(test)]
 pub(crate) fn test_floats(n: usize, seed: u32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            ((s >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 4.0
-        })
+    test_lcg(seed)
+        .take(n)
+        .map(|s| ((s >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 4.0)
         .collect()
 }

@@ -80,12 +80,9 @@ pub fn gemv_units(
 /// Deterministic test bytes (an LCG), for the layouts' tests.
 #[cfg(test)]
 pub(crate) fn test_bytes(n: usize, seed: u32) -> Vec<u8> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (s >> 24) as u8
-        })
+    crate::kernels::cpu::test_lcg(seed)
+        .take(n)
+        .map(|s| (s >> 24) as u8)
         .collect()
 }
 
