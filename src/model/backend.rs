@@ -151,6 +151,20 @@ pub trait Backend {
     fn add(&self, x: &mut Self::Act, y: &Self::Act);
     /// gate = act(gate) * up.
     fn glu(&self, gate: &mut Self::Act, up: &Self::Act, act: Activation);
+    /// The feed-forward's second half: `gate = act(gate) * up`, then `out = gate · Wᵀ`, each
+    /// exactly as [`Backend::glu`] and [`Backend::matmul`] compute it. A backend may fuse the two
+    /// (the CPU one applies the GLU and quantizes its result in one parallel region for decode).
+    fn glu_matmul(
+        &self,
+        gate: &mut Self::Act,
+        up: &Self::Act,
+        act: Activation,
+        w: &Self::Weight,
+        out: &mut Self::Act,
+    ) {
+        self.glu(gate, up, act);
+        self.matmul(w, gate, None, out);
+    }
     /// Write rows of k and v into the cache at the given physical slots (block * block_size + offset).
     fn kv_write(
         &self,

@@ -175,8 +175,7 @@ impl<B: Backend> Model<B> {
                         &h,
                         &mut [(&m.gate, None, &mut gate), (&m.up, None, &mut up)],
                     );
-                    be.glu(&mut gate, &up, cfg.activation);
-                    be.matmul(&m.down, &gate, None, &mut o);
+                    be.glu_matmul(&mut gate, &up, cfg.activation, &m.down, &mut o);
                 }
                 Ffn::Moe {
                     router,

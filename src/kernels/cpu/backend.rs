@@ -21,6 +21,7 @@ use crate::kernels::cpu::q4k_x8;
 use crate::kernels::cpu::q5_0_x16;
 use crate::kernels::cpu::q6k_x16;
 use crate::kernels::cpu::q6k_x4;
+use crate::kernels::cpu::q8_0_x16;
 use crate::kernels::cpu::rope::RopeTables;
 use crate::model::backend::{
     AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
@@ -82,6 +83,20 @@ impl CpuWeight {
         Some(self.packed.get_or_init(|| {
             self.arena.alloc(self.bytes().len(), |out| {
                 q5_0_x16::pack_into(pool, self.bytes(), self.rows, self.cols, out)
+            })
+        }))
+    }
+
+    /// The x16-packed Q8_0 bytes for decode (`q8_0_x16`, instead of a plain copy: prefill and
+    /// embedding lookups read the mapped file), packing on first use; `None` for other types and
+    /// shapes and below the AVX-512 level.
+    pub fn packed_q8_0(&self, pool: &ThreadPool) -> Option<&[u8]> {
+        if self.ty != GgmlType::Q8_0 || !q8_0_x16::applies(self.rows, self.cols) {
+            return None;
+        }
+        Some(self.packed.get_or_init(|| {
+            self.arena.alloc(self.bytes().len(), |out| {
+                q8_0_x16::pack_into(pool, self.bytes(), self.rows, self.cols, out)
             })
         }))
     }
@@ -286,7 +301,10 @@ impl Backend for CpuBackend {
             // copy; the file's pages come back only for a row-invariant verify, a prompt under
             // eight tokens or a ragged last group. Other types: a plain copy on huge pages, which
             // every read then uses (Gemma-3 270M decode, Q8_0/Q5_0: 80 -> 90 t/s).
-            if w.packed_q4k(&self.pool).is_some() || w.packed_q6k(&self.pool).is_some() {
+            if w.packed_q4k(&self.pool).is_some()
+                || w.packed_q6k(&self.pool).is_some()
+                || w.packed_q8_0(&self.pool).is_some()
+            {
                 w.file.release(w.bytes());
             } else {
                 let copy = self
@@ -388,21 +406,17 @@ impl Backend for CpuBackend {
     }
 
     fn matmul_many(&self, x: &CpuAct, jobs: &mut [MatmulJob<'_, Self>]) {
+        let biases: Vec<Option<&[f32]>> =
+            jobs.iter().map(|(_, b, _)| b.map(Vec::as_slice)).collect();
         let mut mm: Vec<(&CpuWeight, &mut CpuAct)> =
             jobs.iter_mut().map(|(w, _, o)| (*w, &mut **o)).collect();
         matmul::matmul_many(
             &self.pool,
             x,
             &mut mm,
+            &biases,
             self.row_invariant.load(Ordering::Relaxed),
         );
-        for (w, bias, out) in jobs.iter_mut() {
-            if let Some(b) = bias {
-                for row in out.data.chunks_exact_mut(w.rows) {
-                    row.iter_mut().zip(b.iter()).for_each(|(o, b)| *o += b);
-                }
-            }
-        }
     }
 
     fn rope(&self, x: &mut CpuAct, positions: &[u32], rope: Rope, ff: Option<&Vec<f32>>) {
@@ -454,6 +468,20 @@ impl Backend for CpuBackend {
                 ops::glu(gs, &up.data[lo..hi], act);
             }
         });
+    }
+
+    fn glu_matmul(
+        &self,
+        gate: &mut CpuAct,
+        up: &CpuAct,
+        act: Activation,
+        w: &CpuWeight,
+        out: &mut CpuAct,
+    ) {
+        if !matmul::glu_matmul(&self.pool, gate, up, act, w, out) {
+            self.glu(gate, up, act);
+            self.matmul(w, gate, None, out);
+        }
     }
 
     fn kv_write(&self, kv: &mut CpuKv, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[usize]) {

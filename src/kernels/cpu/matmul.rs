@@ -23,12 +23,14 @@
 
 use crate::format::GgmlType;
 use crate::kernels::cpu::backend::{CpuAct, CpuWeight};
+use crate::kernels::cpu::ops;
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::q6k_x16::Layout;
 use crate::kernels::cpu::q6k_x8;
 use crate::kernels::cpu::q80_gemm;
 use crate::kernels::cpu::simd;
 use crate::kernels::cpu::SharedMut;
+use crate::model::config::Activation;
 use crate::quant::Q8Variant;
 
 /// Weight types this matmul can multiply.
@@ -47,7 +49,7 @@ const TILE: usize = 8;
 /// out (n × rows) = x (n × cols) · Wᵀ. With `invariant`, every row is computed as a one-row call
 /// would compute it (no GEMM flavours), so results do not depend on `n`.
 pub fn matmul(pool: &ThreadPool, w: &CpuWeight, x: &CpuAct, out: &mut CpuAct, invariant: bool) {
-    matmul_many(pool, x, &mut [(w, out)], invariant);
+    matmul_many(pool, x, &mut [(w, out)], &[None], invariant);
 }
 
 /// Several matmuls of the same input, `out_i = x · W_iᵀ`, each computed exactly as [`matmul`]
@@ -59,6 +61,7 @@ pub fn matmul_many(
     pool: &ThreadPool,
     x: &CpuAct,
     jobs: &mut [(&CpuWeight, &mut CpuAct)],
+    biases: &[Option<&[f32]>],
     invariant: bool,
 ) {
     let n = x.rows;
@@ -74,8 +77,8 @@ pub fn matmul_many(
         .iter()
         .any(|(w, _)| crate::quant::vec_dot_type(w.ty) != act_ty)
     {
-        for (w, out) in jobs.iter_mut() {
-            matmul_many(pool, x, &mut [(*w, &mut **out)], invariant);
+        for ((w, out), b) in jobs.iter_mut().zip(biases) {
+            matmul_many(pool, x, &mut [(*w, &mut **out)], &[*b], invariant);
         }
         return;
     }
@@ -84,13 +87,98 @@ pub fn matmul_many(
     XQ.with_borrow_mut(|xq| {
         quantize_rows(pool, first.ty, x, a_bytes, xq);
         if n == 1 {
-            decode_many(pool, jobs, xq);
+            decode_many(pool, jobs, biases, xq);
             return;
         }
         for (w, out) in jobs.iter_mut() {
             matmul_quantized(pool, w, xq, a_bytes, n, out, invariant);
         }
+        for ((w, out), b) in jobs.iter_mut().zip(biases) {
+            if let Some(b) = b {
+                for row in out.data.chunks_exact_mut(w.rows) {
+                    row.iter_mut().zip(b.iter()).for_each(|(o, b)| *o += b);
+                }
+            }
+        }
     });
+}
+
+/// `gate = act(gate) * up`, then `out = gate · Wᵀ`, for one activation row (decode), with the
+/// GLU and the quantization of its result in one parallel region: each thread takes a contiguous
+/// run of whole quantization blocks, applies the GLU to it ([`ops::glu`], whose pieces may be cut
+/// at any multiple of 16) and quantizes it, so no thread waits on a serial quantization and each
+/// reads the GLU values it wrote. Results are those of [`ops::glu`] then [`matmul`]. Returns false,
+/// having done nothing, where it does not apply (several rows, or no AVX-512 quantizer for `w`'s
+/// activation format).
+pub fn glu_matmul(
+    pool: &ThreadPool,
+    gate: &mut CpuAct,
+    up: &CpuAct,
+    act: Activation,
+    w: &CpuWeight,
+    out: &mut CpuAct,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use simd::avx512::quantize::{quantize_row_q8_0, quantize_row_q8k};
+        type Quantize = fn(&[f32], &mut [u8]);
+        let (cols, rows) = (gate.cols, w.rows);
+        if gate.rows != 1
+            || up.cols != cols
+            || w.cols != cols
+            || simd::current() < simd::Level::Avx512
+        {
+            return false;
+        }
+        assert_eq!((out.rows, out.cols), (1, rows), "matmul output shape");
+        let act_ty = crate::quant::vec_dot_type(w.ty);
+        let (quantize, elems): (Quantize, usize) = match act_ty {
+            GgmlType::Q8K => (quantize_row_q8k, 256),
+            GgmlType::Q8_0 => (quantize_row_q8_0, 32),
+            _ => return false,
+        };
+        if !cols.is_multiple_of(elems) {
+            return false;
+        }
+        let a_bytes = crate::quant::activation_row_bytes(act_ty, cols).expect("whole blocks");
+        let blk_bytes = a_bytes / (cols / elems);
+        let nblk = cols / elems;
+        XQ.with_borrow_mut(|xq| {
+            xq.resize(a_bytes, 0);
+            let (g, q) = (
+                SharedMut(gate.data.as_mut_ptr()),
+                SharedMut(xq.as_mut_ptr()),
+            );
+            pool.broadcast(|t, n| {
+                let (b0, b1) = (nblk * t / n, nblk * (t + 1) / n);
+                if b0 == b1 {
+                    return;
+                }
+                let (lo, hi) = (b0 * elems, b1 * elems);
+                // SAFETY: blocks b0..b1 of this thread are disjoint from every other thread's:
+                // their values lo..hi of `gate` (cols long) and their bytes of `xq` (a_bytes
+                // long) are written by this thread only; the pool joins before either is read.
+                let (gs, qs) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(g.ptr().add(lo), hi - lo),
+                        std::slice::from_raw_parts_mut(
+                            q.ptr().add(b0 * blk_bytes),
+                            (b1 - b0) * blk_bytes,
+                        ),
+                    )
+                };
+                ops::glu(gs, &up.data[lo..hi], act);
+                quantize(gs, qs);
+            });
+            decode_many(pool, &mut [(w, out)], &[None], xq);
+        });
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (pool, gate, up, act, w, out);
+        false
+    }
 }
 
 /// The body of [`matmul`] once the `n` activation rows are quantized into `xq`.
@@ -129,7 +217,12 @@ const DECODE_UNIT: usize = 16;
 /// [`DECODE_UNIT`] rows handed out across the jobs; each row computed by the kernel a one-row
 /// [`matmul`] uses for it (the GEMV flavour of packed Q4_K, `dot_rows` where a type has it, else
 /// the type's tile kernel).
-fn decode_many(pool: &ThreadPool, jobs: &mut [(&CpuWeight, &mut CpuAct)], xq: &[u8]) {
+fn decode_many(
+    pool: &ThreadPool,
+    jobs: &mut [(&CpuWeight, &mut CpuAct)],
+    biases: &[Option<&[f32]>],
+    xq: &[u8],
+) {
     // Unit offsets of each job: job i owns units starts[i]..starts[i + 1].
     let mut starts = vec![0usize];
     for (w, _) in jobs.iter() {
@@ -148,6 +241,7 @@ fn decode_many(pool: &ThreadPool, jobs: &mut [(&CpuWeight, &mut CpuAct)], xq: &[
             w.packed_q4k(pool)
                 .or_else(|| w.packed_q6k(pool))
                 .or_else(|| w.packed_q5_0(pool))
+                .or_else(|| w.packed_q8_0(pool))
         })
         .collect();
     // One contiguous range per thread, not the pool's dynamic chunks: every chunk start is a
@@ -183,6 +277,9 @@ fn decode_many(pool: &ThreadPool, jobs: &mut [(&CpuWeight, &mut CpuAct)], xq: &[
             // inside it and belong to this chunk's units only, so no other thread writes them.
             let o = unsafe { std::slice::from_raw_parts_mut(outs[i].ptr().add(r0), r1 - r0) };
             decode_rows_of(w, packed[i], xq, r0, o);
+            if let Some(Some(b)) = biases.get(i) {
+                o.iter_mut().zip(&b[r0..r1]).for_each(|(o, b)| *o += b);
+            }
         }
     });
 }
@@ -201,6 +298,12 @@ fn decode_rows_of(w: &CpuWeight, packed: Option<&[u8]>, xq: &[u8], r0: usize, ou
         // Whole units of sixteen rows (`DECODE_UNIT`) from byte r0 * row_bytes on.
         let p = &p[r0 * w.row_bytes..r1 * w.row_bytes];
         crate::kernels::cpu::q5_0_x16::gemv(w.cols, p, xq, out);
+        return;
+    }
+    if let Some(p) = packed.filter(|_| w.ty == GgmlType::Q8_0) {
+        // Whole units of sixteen rows (`DECODE_UNIT`) from byte r0 * row_bytes on.
+        let p = &p[r0 * w.row_bytes..r1 * w.row_bytes];
+        crate::kernels::cpu::q8_0_x16::gemv(w.cols, p, xq, out);
         return;
     }
     if let (Some(p), Some(x4)) = (packed, simd::dot_x4(w.ty)) {
@@ -431,23 +534,16 @@ mod tests {
 
     use crate::kernels::cpu::test_floats as data;
 
-    /// `matmul_many` gives each job exactly what a `matmul` of its own gives, for one activation row
-    /// (the merged decode region) and several, with one shared quantization and without (a job
-    /// whose weight takes another activation format).
-    #[test]
-    fn matmul_many_equals_single_matmuls() {
+    /// A CPU backend and `(type, rows)` weights of `cols` columns, each row quantized from its own
+    /// test floats, loaded as the model loader loads them (packed copies included).
+    fn test_weights(
+        specs: &[(GgmlType, usize)],
+        cols: usize,
+    ) -> (crate::kernels::cpu::backend::CpuBackend, Vec<CpuWeight>) {
         use crate::format::{writer::GgufWriter, Gguf};
         use crate::kernels::cpu::backend::CpuBackend;
         use crate::model::backend::{Backend, WeightSource};
         use std::sync::Arc;
-        let cols = 512;
-        let specs = [
-            (GgmlType::Q4K, 24), // x8-packed
-            (GgmlType::Q6K, 13), // dot_rows, a ragged last unit
-            (GgmlType::Q8_0, 9),
-            (GgmlType::Q4_0, 5), // tile kernel
-            (GgmlType::F16, 3),  // its own activation format
-        ];
         let mut wr = GgufWriter::new();
         for (i, &(ty, rows)) in specs.iter().enumerate() {
             let mut bytes = Vec::new();
@@ -461,7 +557,7 @@ mod tests {
         }
         let g = Arc::new(Gguf::from_bytes(wr.to_bytes()).unwrap());
         let be = CpuBackend::new(2);
-        let ws: Vec<_> = specs
+        let ws = specs
             .iter()
             .enumerate()
             .map(|(i, &(ty, rows))| {
@@ -477,6 +573,34 @@ mod tests {
                 })
                 .unwrap()
             })
+            .collect();
+        (be, ws)
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    /// `matmul_many` gives each job exactly what a `matmul` of its own gives, plus its bias, for
+    /// one activation row (the merged decode region, which adds the biases) and several, with one
+    /// shared quantization and without (a job whose weight takes another activation format).
+    #[test]
+    fn matmul_many_equals_single_matmuls() {
+        use crate::model::backend::Backend;
+        let cols = 512;
+        let specs = [
+            (GgmlType::Q4K, 24),  // x8-packed
+            (GgmlType::Q6K, 13),  // dot_rows, a ragged last unit
+            (GgmlType::Q8_0, 9),  // the plain copy
+            (GgmlType::Q8_0, 32), // x16-packed at the AVX-512 level
+            (GgmlType::Q4_0, 5),  // tile kernel
+            (GgmlType::F16, 3),   // its own activation format
+        ];
+        let (be, ws) = test_weights(&specs, cols);
+        let biases: Vec<Vec<f32>> = ws
+            .iter()
+            .enumerate()
+            .map(|(i, w)| data(w.rows, 900 + i as u32))
             .collect();
         for n in [1, 3, 17] {
             let mut x = be.act(n, cols);
@@ -495,29 +619,80 @@ mod tests {
                 let mut o = be.act(n, w.rows);
                 o.data.fill(f32::NAN);
                 be.matmul(w, &x, None, &mut o);
-                let same = o
-                    .data
-                    .iter()
-                    .zip(want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "n={n} {:?}: an output left unwritten", w.ty);
+                assert!(
+                    same_bits(&o.data, want),
+                    "n={n} {:?}: an output left unwritten",
+                    w.ty
+                );
             }
-            // all but the F16 weight share one quantization; then every job together
+            // all but the F16 weight share one quantization; then every job together; odd jobs
+            // with a bias
             for take in [specs.len() - 1, specs.len()] {
                 let mut outs: Vec<_> = ws[..take].iter().map(|w| be.act(n, w.rows)).collect();
                 let mut jobs: Vec<_> = ws[..take]
                     .iter()
                     .zip(outs.iter_mut())
-                    .map(|(w, o)| (w, None, o))
+                    .enumerate()
+                    .map(|(i, (w, o))| (w, (i % 2 == 1).then_some(&biases[i]), o))
                     .collect();
                 be.matmul_many(&x, &mut jobs);
                 for (i, o) in outs.iter().enumerate() {
-                    let same = o
-                        .data
-                        .iter()
-                        .zip(&single[i])
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "n={n} job {i} ({:?}) of {take}", specs[i].0);
+                    let mut want = single[i].clone();
+                    if i % 2 == 1 {
+                        let rows = ws[i].rows;
+                        want.iter_mut()
+                            .enumerate()
+                            .for_each(|(j, v)| *v += biases[i][j % rows]);
+                    }
+                    assert!(
+                        same_bits(&o.data, &want),
+                        "n={n} job {i} ({:?}) of {take}",
+                        specs[i].0
+                    );
+                }
+            }
+        }
+    }
+
+    /// `glu_matmul` (decode's fused GLU, quantization and matmul) gives what `glu` then `matmul`
+    /// give, bit for bit, in both its outputs, for each activation format and GLU.
+    #[test]
+    fn glu_matmul_equals_glu_then_matmul() {
+        use crate::model::backend::Backend;
+        let cols = 1280; // five Q8_K blocks: the two threads' runs differ in length
+        let specs = [
+            (GgmlType::Q4K, 32),
+            (GgmlType::Q6K, 16),
+            (GgmlType::Q5_0, 16),
+            (GgmlType::Q8_0, 16),
+        ];
+        let (be, ws) = test_weights(&specs, cols);
+        for act in [
+            Activation::Silu,
+            Activation::GeluTanh,
+            Activation::GeluTanhF32,
+        ] {
+            for n in [1, 2] {
+                let mut gate = be.act(n, cols);
+                gate.data.copy_from_slice(&data(n * cols, 60 + n as u32));
+                let mut up = be.act(n, cols);
+                up.data.copy_from_slice(&data(n * cols, 70 + n as u32));
+                for w in &ws {
+                    let (mut g1, mut o1) = (gate.clone(), be.act(n, w.rows));
+                    be.glu(&mut g1, &up, act);
+                    be.matmul(w, &g1, None, &mut o1);
+                    let (mut g2, mut o2) = (gate.clone(), be.act(n, w.rows));
+                    be.glu_matmul(&mut g2, &up, act, w, &mut o2);
+                    assert!(
+                        same_bits(&g1.data, &g2.data),
+                        "{act:?} n={n} {:?}: glu",
+                        w.ty
+                    );
+                    assert!(
+                        same_bits(&o1.data, &o2.data),
+                        "{act:?} n={n} {:?}: out",
+                        w.ty
+                    );
                 }
             }
         }

@@ -16,6 +16,7 @@ pub mod q6k_x16;
 pub mod q6k_x4;
 pub mod q6k_x8;
 pub mod q80_gemm;
+pub mod q8_0_x16;
 pub mod rope;
 pub mod simd;
 pub mod x16;
