@@ -9,7 +9,10 @@ use std::arch::x86_64::*;
 use super::{BLOCK_BYTES, R, VALUES, W_BYTES};
 use crate::kernels::cpu::simd::avx512::{bcast32x16, ld2x256};
 
-/// How far ahead decode prefetches into L1, in bytes (eight unit blocks, as `q5_0_x16`).
+/// How far ahead decode prefetches into L1, in bytes: eight unit blocks (4.3 KB). Alternated in
+/// one process on Gemma-3 270M's head: twelve blocks made the step 1.4% shorter while the probe
+/// read 78 GB/s but 1.6% longer while it read 50; sixteen +2.2% and -2.5%; an L2 prefetch
+/// twenty blocks ahead besides, 4% longer in both.
 const PREFETCH: usize = 8 * BLOCK_BYTES;
 /// Cache lines of one unit block (8.5).
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
