@@ -299,8 +299,10 @@ impl Backend for CpuBackend {
         if !lookup_only {
             // Q4_K: every matmul reads the x8 copy. Q6_K: decode and the prefill GEMM read the x4
             // copy; the file's pages come back only for a row-invariant verify, a prompt under
-            // eight tokens or a ragged last group. Other types: a plain copy on huge pages, which
-            // every read then uses (Gemma-3 270M decode, Q8_0/Q5_0: 80 -> 90 t/s).
+            // eight tokens or a ragged last group. Q8_0 (at the AVX-512 level): decode reads the
+            // x16 copy, prefill and embedding lookups the file's pages. Other types: a plain copy
+            // on huge pages, which every read then uses (Gemma-3 270M decode, Q8_0/Q5_0: 80 -> 90
+            // t/s).
             if w.packed_q4k(&self.pool).is_some()
                 || w.packed_q6k(&self.pool).is_some()
                 || w.packed_q8_0(&self.pool).is_some()
