@@ -151,6 +151,23 @@ pub trait Backend {
     fn add(&self, x: &mut Self::Act, y: &Self::Act);
     /// gate = act(gate) * up.
     fn glu(&self, gate: &mut Self::Act, up: &Self::Act, act: Activation);
+    /// The dense gated feed-forward: `gate = h · Gᵀ`, `up = h · Uᵀ`, `gate = act(gate) * up`,
+    /// `out = gate · Dᵀ`, each exactly as [`Backend::matmul_many`], [`Backend::glu`] and
+    /// [`Backend::matmul`] compute it (`gate` and `up` are the scratch rows). A backend may fuse
+    /// the steps (the CPU one runs a decode step's in two parallel regions).
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_dense(
+        &self,
+        h: &Self::Act,
+        (gate_w, up_w, down_w): (&Self::Weight, &Self::Weight, &Self::Weight),
+        act: Activation,
+        gate: &mut Self::Act,
+        up: &mut Self::Act,
+        out: &mut Self::Act,
+    ) {
+        self.matmul_many(h, &mut [(gate_w, None, gate), (up_w, None, up)]);
+        self.glu_matmul(gate, up, act, down_w, out);
+    }
     /// The feed-forward's second half: `gate = act(gate) * up`, then `out = gate · Wᵀ`, each
     /// exactly as [`Backend::glu`] and [`Backend::matmul`] compute it. A backend may fuse the two
     /// (the CPU one applies the GLU and quantizes its result in one parallel region for decode).

@@ -171,11 +171,8 @@ impl<B: Backend> Model<B> {
             be.rms_norm(&x, &lw.ffn_norm, cfg.norm_eps, &mut h);
             match &lw.ffn {
                 Ffn::Dense(m) => {
-                    be.matmul_many(
-                        &h,
-                        &mut [(&m.gate, None, &mut gate), (&m.up, None, &mut up)],
-                    );
-                    be.glu_matmul(&mut gate, &up, cfg.activation, &m.down, &mut o);
+                    let ws = (&m.gate, &m.up, &m.down);
+                    be.ffn_dense(&h, ws, cfg.activation, &mut gate, &mut up, &mut o);
                 }
                 Ffn::Moe {
                     router,

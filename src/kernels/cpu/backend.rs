@@ -390,17 +390,7 @@ impl Backend for CpuBackend {
 
     fn rms_norm_inplace(&self, x: &mut CpuAct, w: &Vec<f32>, eps: f32) {
         let n = w.len();
-        self.par_chunks(&mut x.data, n, |_, xs| {
-            let mut tmp = [0f32; 1024];
-            if n <= tmp.len() {
-                ops::rms_norm(xs, w, eps, &mut tmp[..n]);
-                xs.copy_from_slice(&tmp[..n]);
-            } else {
-                let mut tmp = vec![0f32; n];
-                ops::rms_norm(xs, w, eps, &mut tmp);
-                xs.copy_from_slice(&tmp);
-            }
-        });
+        self.par_chunks(&mut x.data, n, |_, xs| ops::rms_norm_inplace(xs, w, eps));
     }
 
     fn matmul(&self, w: &CpuWeight, x: &CpuAct, bias: Option<&Vec<f32>>, out: &mut CpuAct) {
@@ -470,6 +460,21 @@ impl Backend for CpuBackend {
                 ops::glu(gs, &up.data[lo..hi], act);
             }
         });
+    }
+
+    fn ffn_dense(
+        &self,
+        h: &CpuAct,
+        ws: (&CpuWeight, &CpuWeight, &CpuWeight),
+        act: Activation,
+        gate: &mut CpuAct,
+        up: &mut CpuAct,
+        out: &mut CpuAct,
+    ) {
+        if !matmul::ffn_decode(&self.pool, h, ws, act, gate, up, out) {
+            self.matmul_many(h, &mut [(ws.0, None, gate), (ws.1, None, up)]);
+            self.glu_matmul(gate, up, act, ws.2, out);
+        }
     }
 
     fn glu_matmul(

@@ -189,6 +189,20 @@ pub fn silu(x: f32, isa: GgmlIsa) -> f32 {
     x / (1.0 + v_expf(0.0 - x, isa))
 }
 
+/// [`rms_norm`] of `x` into `x` itself.
+pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
+    let mut tmp = [0f32; 1024];
+    if x.len() <= tmp.len() {
+        let t = &mut tmp[..x.len()];
+        rms_norm(x, w, eps, t);
+        x.copy_from_slice(t);
+    } else {
+        let mut t = vec![0f32; x.len()];
+        rms_norm(x, w, eps, &mut t);
+        x.copy_from_slice(&t);
+    }
+}
+
 /// y = x / rms(x) * w, over one group of `w.len()` values.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
     debug_assert_eq!(x.len(), w.len());
