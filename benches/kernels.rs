@@ -361,7 +361,7 @@ fn cold_gemv(packed: &[u8], rows: usize, d: &Data, budget: Duration) {
     }
 }
 
-/// The x16 decode layouts (`q6k_x16`, `q5_0_x16`) where this CPU packs them: one activation row
+/// The x16 decode layouts (`q6k_x16`, `q5_0_x16`, `q8_0_x16`) where this CPU packs them: one activation row
 /// against the whole matrix, sixteen rows per kernel call.
 fn x16_gemv_line(
     ty: GgmlType,
@@ -370,7 +370,7 @@ fn x16_gemv_line(
     budget: Duration,
     sdot: Duration,
 ) {
-    use infer::kernels::cpu::{q5_0_x16, q6k_x16};
+    use infer::kernels::cpu::{q5_0_x16, q6k_x16, q8_0_x16};
     let rows = d.rows();
     let a = &d.acts[..d.act_bytes];
     let mut out = vec![0f32; rows];
@@ -387,6 +387,13 @@ fn x16_gemv_line(
             q5_0_x16::pack_into(pool, &d.w, rows, COLS, &mut packed);
             best(budget, || {
                 q5_0_x16::gemv(COLS, &packed, a, &mut out);
+                black_box(&out);
+            })
+        }
+        GgmlType::Q8_0 if q8_0_x16::applies(rows, COLS) => {
+            q8_0_x16::pack_into(pool, &d.w, rows, COLS, &mut packed);
+            best(budget, || {
+                q8_0_x16::gemv(COLS, &packed, a, &mut out);
                 black_box(&out);
             })
         }
