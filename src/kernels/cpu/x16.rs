@@ -1,6 +1,8 @@
-//! What the x16 decode layouts (`q6k_x16`, `q5_0_x16`) share: a matrix cut into units of
-//! sixteen rows, each unit's blocks stored one after another, packed unit by unit across the
-//! pool, and multiplied by a kernel that produces a unit's sixteen outputs at a time.
+//! What the x16 decode layouts (`q6k_x16`, `q5_0_x16`, `q8_0_x16`) share: a matrix cut into
+//! units of sixteen rows, each unit's blocks stored one after another, packed unit by unit across
+//! the pool, and multiplied by a kernel that produces a unit's sixteen outputs at a time; and, for
+//! the two layouts of 32-value blocks against Q8_0 activations, the packing and multiplying
+//! wrappers, the kernels' per-lane float steps ([`lanes`]) and their test against the row kernel.
 //!
 //! Invariant: a unit is `R` whole file rows, so its packed bytes are exactly as many as its file
 //! bytes, and unit `u` sits at `u * unit_bytes` in both.
@@ -74,6 +76,192 @@ pub fn gemv_units(
                 o.as_mut_ptr(),
             )
         };
+    }
+}
+
+/// Bytes of one Q8_0 activation block (the activations of the 32-value layouts).
+pub const Q8_0_BYTES: usize = 34;
+
+/// Packs a matrix of 32-value blocks of `w_bytes` bytes (Q5_0, Q8_0; `src`: `rows` file rows of
+/// `cols / 32` blocks) into `out` (the same size), units split across the pool: `pack_block(s,
+/// nb, b, o)` packs block `b` of the sixteen rows in `s` (rows of `nb` blocks) into the zeroed
+/// unit block `o`. Panics unless `rows % 16 == 0`, `cols % 32 == 0` and the sizes match.
+pub fn pack_blocks32(
+    pool: &ThreadPool,
+    (src, rows, cols, w_bytes): (&[u8], usize, usize, usize),
+    out: &mut [u8],
+    pack_block: impl Fn(&[u8], usize, usize, &mut [u8]) + Sync,
+) {
+    assert!(
+        rows.is_multiple_of(R) && cols.is_multiple_of(32),
+        "{rows}x{cols} is not x16-packable"
+    );
+    let nb = cols / 32;
+    assert_eq!(src.len(), rows * nb * w_bytes, "matrix bytes");
+    let block = R * w_bytes;
+    pack_units(pool, src, nb * block, out, |s, o| {
+        for (b, ob) in o.chunks_exact_mut(block).enumerate() {
+            pack_block(s, nb, b, ob);
+        }
+    });
+}
+
+/// One Q8_0 activation row (`xq`: `cols / 32` blocks) against the x16 units in `w` of a layout of
+/// 32-value blocks of `w_bytes` file bytes, through `kernel`: `out[i]` = packed row `i`.
+#[cfg(target_arch = "x86_64")]
+pub fn gemv_blocks32(
+    cols: usize,
+    w_bytes: usize,
+    w: &[u8],
+    xq: &[u8],
+    out: &mut [f32],
+    kernel: UnitKernel,
+) {
+    assert!(cols.is_multiple_of(32), "whole blocks");
+    let nb = cols / 32;
+    gemv_units(nb, nb * R * w_bytes, w, xq, nb * Q8_0_BYTES, out, kernel);
+}
+
+/// The per-block steps the 32-value x16 kernels share, on sixteen rows at once: `f[l]` holds
+/// lane `l` (of ggml's eight, four products each) of every row, as the AVX2 row kernel holds it
+/// in one `__m256` per row.
+#[cfg(target_arch = "x86_64")]
+pub mod lanes {
+    use std::arch::x86_64::*;
+
+    /// `-off · (the sum of each lane's four activation codes)` of the Q8_0 block at `ya`: where a
+    /// lane's accumulator starts when the weights enter `vpdpbusd` offset by `off`.
+    ///
+    /// # Safety
+    /// The AVX-512 level is available; `ya` points at one Q8_0 block.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn starts(ya: *const u8, off: i8) -> [i32; 8] {
+        let zero = _mm256_setzero_si256();
+        let a = _mm256_loadu_si256(ya.add(2).cast());
+        let sums = _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(off), a);
+        let mut starts = [0i32; 8];
+        _mm256_storeu_si256(starts.as_mut_ptr().cast(), _mm256_sub_epi32(zero, sums));
+        starts
+    }
+
+    /// The row kernel's float step for one block: `f[l] = fma(d_w · d_a, acc[l], f[l])`, with
+    /// the sixteen rows' `d` (f16) at `dw` and the activation block at `ya`.
+    ///
+    /// # Safety
+    /// The AVX-512 level is available; `dw` points at 16 f16 values, `ya` at one Q8_0 block.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn fold(f: &mut [__m512; 8], dw: *const u8, ya: *const u8, acc: &[__m512i; 8]) {
+        let da = half::f16::from_bits(u16::from_le_bytes([*ya, *ya.add(1)])).to_f32();
+        let d = _mm512_mul_ps(
+            _mm512_cvtph_ps(_mm256_loadu_si256(dw.cast())),
+            _mm512_set1_ps(da),
+        );
+        for (f, &a) in f.iter_mut().zip(acc) {
+            *f = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(a), *f);
+        }
+    }
+
+    /// Each row's sum of its eight lanes in `hsum_float_8`'s order, ((l0 + l4) + (l2 + l6)) +
+    /// ((l1 + l5) + (l3 + l7)), stored to the sixteen floats at `out`.
+    ///
+    /// # Safety
+    /// The AVX-512 level is available; `out` points at 16 writable floats.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn store(f: &[__m512; 8], out: *mut f32) {
+        let r: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(f[i + 4], f[i]));
+        let sum = _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]));
+        _mm512_storeu_ps(out, sum);
+    }
+}
+
+/// `rows` rows of raw random 32-value blocks of `w_bytes` bytes (every bit pattern) with a
+/// finite `d` in their first two bytes, for the 32-value layouts' tests.
+#[cfg(test)]
+pub(crate) fn raw_blocks32(rows: usize, nb: usize, w_bytes: usize, seed: u32) -> Vec<u8> {
+    let mut w = test_bytes(rows * nb * w_bytes, seed);
+    for (i, blk) in w.chunks_exact_mut(w_bytes).enumerate() {
+        let d = half::f16::from_f32(0.002 + (i % 13) as f32 * 0.0009);
+        blk[..2].copy_from_slice(&d.to_le_bytes());
+    }
+    w
+}
+
+/// One Q8_0 activation row of `nb` blocks with raw codes in -127..=127 (the quantizer's range,
+/// both ends included).
+#[cfg(test)]
+pub(crate) fn raw_q8_0_activations(nb: usize, seed: u32) -> Vec<u8> {
+    let q = test_bytes(nb * 32, seed);
+    let mut a = Vec::new();
+    for (b, vals) in q.chunks_exact(32).enumerate() {
+        a.extend_from_slice(&half::f16::from_f32(0.01 + b as f32 * 0.002).to_le_bytes());
+        for (i, &v) in vals.iter().enumerate() {
+            let code = match i % 8 {
+                0 => 127,
+                1 => -127,
+                _ => (v as i8).max(-127),
+            };
+            a.push(code as u8);
+        }
+    }
+    a
+}
+
+/// A 32-value x16 layout of weight type `ty` (`w_bytes` a block) equals the row kernels (AVX2 and
+/// AVX-512) bit for bit through its `pack` and `gemv`: on quantized real-valued rows, and on raw
+/// blocks with every bit pattern against activation codes of ±127; also from a later unit on.
+#[cfg(test)]
+pub(crate) fn check_blocks32_against_rows(
+    ty: crate::format::GgmlType,
+    w_bytes: usize,
+    pack: fn(&ThreadPool, &[u8], usize, usize, &mut [u8]),
+    gemv: fn(usize, &[u8], &[u8], &mut [f32]),
+) {
+    use crate::kernels::cpu::simd;
+    use crate::quant::{quantize_activations, quantize_row};
+    let pool = ThreadPool::new(2);
+    for (case, rows, cols) in [(0u32, 48, 640), (1, 32, 640), (2, 16, 32)] {
+        let nb = cols / 32;
+        let (w, xq) = if case == 0 {
+            let mut w = Vec::new();
+            let mut tmp = Vec::new();
+            for r in 0..rows {
+                let x = crate::kernels::cpu::test_floats(cols, 21 + r as u32);
+                quantize_row(ty, &x, &mut tmp).unwrap();
+                w.extend_from_slice(&tmp);
+            }
+            let a = crate::kernels::cpu::test_floats(cols, 8);
+            let mut xq = Vec::new();
+            quantize_activations(ty, &a, &mut xq).unwrap();
+            (w, xq)
+        } else {
+            (
+                raw_blocks32(rows, nb, w_bytes, 40 + case),
+                raw_q8_0_activations(nb, 50 + case),
+            )
+        };
+        let mut packed = vec![0u8; w.len()];
+        pack(&pool, &w, rows, cols, &mut packed);
+        let mut got = vec![0f32; rows];
+        gemv(cols, &packed, &xq, &mut got);
+        for level in [simd::Level::Avx2, simd::Level::Avx512] {
+            let rows_fn = simd::dot_rows_at(level, ty).expect("row kernel");
+            let mut want = vec![0f32; rows];
+            rows_fn(cols, &w, nb * w_bytes, &xq, &mut want);
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "case {case} against {}",
+                level.name()
+            );
+        }
+        // A later run of whole units, as decode hands them out.
+        let unit = nb * R * w_bytes;
+        let mut part = vec![0f32; rows - R];
+        gemv(cols, &packed[unit..], &xq, &mut part);
+        assert_eq!(bits(&part), bits(&got[R..]), "case {case}, units 1..");
     }
 }
 

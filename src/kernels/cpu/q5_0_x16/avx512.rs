@@ -9,6 +9,7 @@ use std::arch::x86_64::*;
 
 use super::{BLOCK_BYTES, FIFTH, NIBBLES, R};
 use crate::kernels::cpu::simd::avx512::{bcast32x16, ld2x256};
+use crate::kernels::cpu::x16::lanes;
 
 /// Bytes of one Q8_0 activation block.
 const A_BYTES: usize = 34;
@@ -39,15 +40,7 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
         for k in 0..LINES {
             _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + 64 * k).cast());
         }
-        // Each lane's start, -16 · (the sum of its four activation codes), for all the rows.
-        let zero = _mm256_setzero_si256();
-        let sums = _mm256_dpbusd_epi32(
-            zero,
-            _mm256_set1_epi8(16),
-            _mm256_loadu_si256(ya.add(2).cast()),
-        );
-        let mut starts = [0i32; 8];
-        _mm256_storeu_si256(starts.as_mut_ptr().cast(), _mm256_sub_epi32(zero, sums));
+        let starts = lanes::starts(ya, 16);
         let fifth = ld2x256(x.add(FIFTH));
         let mut acc = [_mm512_setzero_si512(); 8];
         for p in 0..4 {
@@ -64,17 +57,7 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
                 acc[l] = _mm512_dpbusd_epi32(start, v, bcast32x16(ya.add(2 + 4 * l)));
             }
         }
-        let da = half::f16::from_bits(u16::from_le_bytes([*ya, *ya.add(1)])).to_f32();
-        let d = _mm512_mul_ps(
-            _mm512_cvtph_ps(_mm256_loadu_si256(x.cast())),
-            _mm512_set1_ps(da),
-        );
-        for l in 0..8 {
-            f[l] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(acc[l]), f[l]);
-        }
+        lanes::fold(&mut f, x, ya, &acc);
     }
-    // `hsum_float_8`'s order, every row at once: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-    let r: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(f[i + 4], f[i]));
-    let sum = _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]));
-    _mm512_storeu_ps(out, sum);
+    lanes::store(&f, out);
 }

@@ -27,8 +27,8 @@
 
 use crate::kernels::cpu::pool::ThreadPool;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::cpu::x16::gemv_units;
-use crate::kernels::cpu::x16::pack_units;
+use crate::kernels::cpu::x16::gemv_blocks32;
+use crate::kernels::cpu::x16::pack_blocks32;
 pub use crate::kernels::cpu::x16::R;
 
 #[cfg(target_arch = "x86_64")]
@@ -113,29 +113,17 @@ pub fn read_block(unit_block: &[u8], r: usize) -> (u16, [u8; 32]) {
 /// size), units split across the pool. Panics unless `rows % 16 == 0`, `cols % 32 == 0` and the
 /// sizes match.
 pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
-    assert!(
-        rows.is_multiple_of(R) && cols.is_multiple_of(32),
-        "{rows}x{cols} is not x16-packable"
-    );
-    let nb = cols / 32;
-    assert_eq!(src.len(), rows * nb * W_BYTES, "Q5_0 matrix bytes");
-    pack_units(pool, src, nb * BLOCK_BYTES, out, |s, o| {
-        for (b, ob) in o.chunks_exact_mut(BLOCK_BYTES).enumerate() {
-            pack_block(s, nb, b, ob);
-        }
-    });
+    pack_blocks32(pool, (src, rows, cols, W_BYTES), out, pack_block);
 }
 
 /// One Q8_0 activation row (`xq`: `cols / 32` blocks, codes within ±127) against the x16 units in
 /// `w` (whole units of a packed matrix): `out[i]` = packed row `i`, as the row kernel computes it.
 pub fn gemv(cols: usize, w: &[u8], xq: &[u8], out: &mut [f32]) {
-    assert!(cols.is_multiple_of(32), "whole blocks");
-    let nb = cols / 32;
     #[cfg(target_arch = "x86_64")]
-    gemv_units(nb, nb * BLOCK_BYTES, w, xq, nb * 34, out, avx512::dot_unit);
+    gemv_blocks32(cols, W_BYTES, w, xq, out, avx512::dot_unit);
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (nb, w, xq, out);
+        let _ = (cols, w, xq, out);
         unreachable!("the x16 layout is only packed at the AVX-512 level");
     }
 }

@@ -8,6 +8,7 @@ use std::arch::x86_64::*;
 
 use super::{BLOCK_BYTES, R, VALUES, W_BYTES};
 use crate::kernels::cpu::simd::avx512::{bcast32x16, ld2x256};
+use crate::kernels::cpu::x16::lanes;
 
 /// How far ahead decode prefetches into L1, in bytes: eight unit blocks (4.3 KB). Alternated in
 /// one process on Gemma-3 270M's head: twelve blocks made the step 1.4% shorter while the probe
@@ -34,32 +35,14 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
         for k in 0..LINES {
             _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + 64 * k).cast());
         }
-        // Each lane's start, -128 · (the sum of its four activation codes), for all the rows.
-        let zero = _mm256_setzero_si256();
-        let sums = _mm256_dpbusd_epi32(
-            zero,
-            _mm256_set1_epi8(-128),
-            _mm256_loadu_si256(ya.add(2).cast()),
-        );
-        let mut starts = [0i32; 8];
-        _mm256_storeu_si256(starts.as_mut_ptr().cast(), _mm256_sub_epi32(zero, sums));
+        let starts = lanes::starts(ya, -128);
         let mut acc = [_mm512_setzero_si512(); 8];
         for l in 0..8 {
             let v = ld2x256(x.add(VALUES + 64 * l));
             let start = _mm512_set1_epi32(starts[l]);
             acc[l] = _mm512_dpbusd_epi32(start, v, bcast32x16(ya.add(2 + 4 * l)));
         }
-        let da = half::f16::from_bits(u16::from_le_bytes([*ya, *ya.add(1)])).to_f32();
-        let d = _mm512_mul_ps(
-            _mm512_cvtph_ps(_mm256_loadu_si256(x.cast())),
-            _mm512_set1_ps(da),
-        );
-        for l in 0..8 {
-            f[l] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(acc[l]), f[l]);
-        }
+        lanes::fold(&mut f, x, ya, &acc);
     }
-    // `hsum_float_8`'s order, every row at once: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-    let r: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(f[i + 4], f[i]));
-    let sum = _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]));
-    _mm512_storeu_ps(out, sum);
+    lanes::store(&f, out);
 }
