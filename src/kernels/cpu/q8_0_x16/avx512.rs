@@ -10,10 +10,15 @@ use super::{BLOCK_BYTES, R, VALUES, W_BYTES};
 use crate::kernels::cpu::simd::avx512::{bcast32x16, ld2x256};
 use crate::kernels::cpu::x16::lanes;
 
-/// How far ahead decode prefetches into L1, in bytes: eight unit blocks (4.3 KB). Alternated in
-/// one process on Gemma-3 270M's head: twelve blocks made the step 1.4% shorter while the probe
-/// read 78 GB/s but 1.6% longer while it read 50; sixteen +2.2% and -2.5%; an L2 prefetch
-/// twenty blocks ahead besides, 4% longer in both.
+/// How far ahead decode prefetches, in bytes: eight unit blocks (4.3 KB), with the non-temporal
+/// hint (`prefetchnta`). Gemma-3 270M's 178 MB head alone, alternated in one process: with `T0`
+/// hints twelve blocks ahead read 95% of the bandwidth probe while it read 48-50 GB/s and 93-95%
+/// while it read 82, against 97% and 89-90% at eight, and sixteen 93% and 97%; an L2 prefetch
+/// twenty blocks ahead besides made the step 4% longer in both states. `prefetchnta` at eight
+/// blocks instead of `T0`: the head 101-105% against 98.5-99% in the low state; the decode step,
+/// alternated step by step, 0.1-1.3% shorter while the probe read 75-79 GB/s (four runs of
+/// 510-798 pairs) and not longer while it read 47-50 (0.1%, and 3% in a run of 28 pairs).
+/// (Q5_0's kernel with `prefetchnta`: 1-2% shorter in the low state, 2-2.5% longer in the high.)
 const PREFETCH: usize = 8 * BLOCK_BYTES;
 /// Cache lines of one unit block (8.5).
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
@@ -33,7 +38,7 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
         let x = w.add(b * BLOCK_BYTES);
         let ya = a.add(b * W_BYTES);
         for k in 0..LINES {
-            _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + 64 * k).cast());
+            _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * k).cast());
         }
         let starts = lanes::starts(ya, -128);
         let mut acc = [_mm512_setzero_si512(); 8];
