@@ -18,10 +18,13 @@ use super::{A_BYTES, BLOCK_BYTES, GROUP};
 
 /// Weight rows per unit.
 const R: usize = 2 * GROUP;
-/// How far ahead decode prefetches into L1, in bytes (four unit blocks). Streaming a 186 MB
-/// matrix on two threads, alternated in one process while the bandwidth probe read 75 GB/s
-/// (medians of 118 rounds): into L1 9216 bytes ahead 82.5 GB/s, 6912 80.8, 13824 80.2, 4608
-/// 76.3; into L2 9216 bytes ahead 77.9, 4608 71.6.
+/// How far ahead decode prefetches, in bytes (four unit blocks). Streaming a 186 MB matrix on
+/// two threads, alternated in one process while the bandwidth probe read 75 GB/s (medians of 118
+/// rounds): into L1 9216 bytes ahead 82.5 GB/s, 6912 80.8, 13824 80.2, 4608 76.3; into L2 9216
+/// bytes ahead 77.9, 4608 71.6. With the non-temporal hint (`prefetchnta`) instead of `T0`,
+/// Qwen2.5-1.5B's decode step, alternated step by step in one process: 0.4-1.1% shorter while
+/// the probe read 47-51 GB/s (five runs of 181-600 pairs), 1.2-1.6% while it read 74-79 (two
+/// runs of 279-419); Gemma-3 270M's 0.4% (low state). (Q6_K's kernel with it: -0.4 to +1%.)
 const PREFETCH: usize = 8 * BLOCK_BYTES;
 /// Cache lines of one unit block (36: one per step of its 32, four steps taking two).
 const LINES: usize = 2 * BLOCK_BYTES / 64;
@@ -149,9 +152,9 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
                     // four-row verify costs 1.80 decode steps without these prefetches, 1.43
                     // with them.
                     let l = 8 * p + s;
-                    _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + 64 * l).cast());
+                    _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * l).cast());
                     if l < LINES - 32 {
-                        _mm_prefetch::<_MM_HINT_T0>(
+                        _mm_prefetch::<_MM_HINT_NTA>(
                             x.wrapping_add(PREFETCH + 64 * (32 + l)).cast(),
                         );
                     }
