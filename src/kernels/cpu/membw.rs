@@ -2,7 +2,10 @@
 //! pool streams its share of a buffer much larger than the caches once. The figure is the roofline that
 //! `infer bench` holds decode speed against. The buffer is a [`HugeBuf`], on 2 MiB pages where the
 //! kernel grants them, as the repacked weights are: in a virtual machine 4 KiB pages read less
-//! (10-25% on the development VM), and the roofline is what the machine can do at best.
+//! (10-25% on the development VM), and the roofline is what the machine can do at best. For the same
+//! reason a read passes over the buffer twice, with two prefetch patterns, and keeps the faster: on
+//! the development VM neither is best in both of its bandwidth states (a `prefetchnta` 8 KiB ahead
+//! read 3-4% more than `T0` 2 KiB ahead at about 45 GB/s and 2.6% less at about 80).
 
 use std::time::Instant;
 
@@ -31,8 +34,16 @@ impl BandwidthBuffer {
         self.data.len()
     }
 
-    /// Reads the whole buffer once across the pool; returns bytes per second.
+    /// Reads the whole buffer across the pool once with each prefetch pattern; returns the faster
+    /// pass's bytes per second.
     pub fn read_once(&self, pool: &ThreadPool) -> f64 {
+        [Pattern::Near, Pattern::FarNta]
+            .map(|p| self.read_with(pool, p))
+            .into_iter()
+            .fold(0.0, f64::max)
+    }
+
+    fn read_with(&self, pool: &ThreadPool, pattern: Pattern) -> f64 {
         let data = &self.data;
         let sums: Vec<std::sync::atomic::AtomicU64> = (0..pool.n_threads())
             .map(|_| std::sync::atomic::AtomicU64::new(0))
@@ -42,7 +53,7 @@ impl BandwidthBuffer {
             let chunk = (data.len() / 8).div_ceil(n) * 8;
             let lo = (i * chunk).min(data.len());
             let hi = ((i + 1) * chunk).min(data.len());
-            let s = sum_words(&data[lo..hi]);
+            let s = sum_words(&data[lo..hi], pattern);
             sums[i].store(s, std::sync::atomic::Ordering::Relaxed);
         });
         let secs = t0.elapsed().as_secs_f64();
@@ -51,16 +62,26 @@ impl BandwidthBuffer {
     }
 }
 
+/// How a read prefetches ahead of its loads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Pattern {
+    /// `T0` hints 2 KiB ahead.
+    Near,
+    /// Non-temporal (`prefetchnta`) hints 8 KiB ahead.
+    FarNta,
+}
+
 /// The wrapping sum of `words`, read the way the decode kernels read weights: with the widest
-/// loads the SIMD level has and software prefetches ahead, so the figure is what those kernels can
-/// reach, not what a plain loop does.
-fn sum_words(words: &[u8]) -> u64 {
+/// loads the SIMD level has and software prefetches ahead (`pattern`), so the figure is what those
+/// kernels can reach, not what a plain loop does.
+fn sum_words(words: &[u8], pattern: Pattern) -> u64 {
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::cpu::simd::current() >= crate::kernels::cpu::simd::Level::Avx2 {
         // SAFETY: the AVX2 level (or higher) is selected only after AVX2 was detected; the
         // kernel reads `words` only (prefetches past its end are hints and never fault).
-        return unsafe { sum_words_avx2(words) };
+        return unsafe { sum_words_avx2(words, pattern) };
     }
+    let _ = pattern;
     // Eight independent accumulators let the compiler keep several loads in flight.
     let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("eight bytes"));
     let mut acc = [0u64; 8];
@@ -77,13 +98,13 @@ fn sum_words(words: &[u8]) -> u64 {
         .fold(0u64, |x, y| x.wrapping_add(y))
 }
 
-/// [`sum_words`] with 256-bit loads, four lines per step and prefetches 2 KiB ahead.
+/// [`sum_words`] with 256-bit loads, four lines per step and `pattern`'s prefetches.
 ///
 /// # Safety
 /// AVX2 is available.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn sum_words_avx2(words: &[u8]) -> u64 {
+unsafe fn sum_words_avx2(words: &[u8], pattern: Pattern) -> u64 {
     use std::arch::x86_64::*;
     let p = words.as_ptr();
     let steps = words.len() / 256; // 256 bytes a step
@@ -91,7 +112,12 @@ unsafe fn sum_words_avx2(words: &[u8]) -> u64 {
     for k in 0..steps {
         let at = p.add(256 * k);
         for l in 0..4 {
-            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(2048 + 64 * l).cast());
+            match pattern {
+                Pattern::Near => _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(2048 + 64 * l).cast()),
+                Pattern::FarNta => {
+                    _mm_prefetch::<_MM_HINT_NTA>(at.wrapping_add(8192 + 64 * l).cast())
+                }
+            }
         }
         for (j, a) in acc.iter_mut().enumerate() {
             *a = _mm256_add_epi64(*a, _mm256_loadu_si256(at.add(32 * j).cast()));
@@ -130,7 +156,9 @@ mod tests {
                 .collect();
             let want = w.iter().fold(0u64, |x, &y| x.wrapping_add(y));
             let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-            assert_eq!(sum_words(&bytes), want, "n={n}");
+            for p in [Pattern::Near, Pattern::FarNta] {
+                assert_eq!(sum_words(&bytes, p), want, "n={n} {p:?}");
+            }
         }
     }
 }
