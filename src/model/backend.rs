@@ -166,21 +166,8 @@ pub trait Backend {
         out: &mut Self::Act,
     ) {
         self.matmul_many(h, &mut [(gate_w, None, gate), (up_w, None, up)]);
-        self.glu_matmul(gate, up, act, down_w, out);
-    }
-    /// The feed-forward's second half: `gate = act(gate) * up`, then `out = gate · Wᵀ`, each
-    /// exactly as [`Backend::glu`] and [`Backend::matmul`] compute it. A backend may fuse the two
-    /// (the CPU one applies the GLU and quantizes its result in one parallel region for decode).
-    fn glu_matmul(
-        &self,
-        gate: &mut Self::Act,
-        up: &Self::Act,
-        act: Activation,
-        w: &Self::Weight,
-        out: &mut Self::Act,
-    ) {
         self.glu(gate, up, act);
-        self.matmul(w, gate, None, out);
+        self.matmul(down_w, gate, None, out);
     }
     /// Write rows of k and v into the cache at the given physical slots (block * block_size + offset).
     fn kv_write(

@@ -13,6 +13,7 @@ use half::slice::HalfFloatSliceExt;
 use crate::format::{GgmlType, Gguf};
 use crate::kernels::cpu::attention;
 use crate::kernels::cpu::attention_f32::{self, KvF32};
+use crate::kernels::cpu::ffn;
 use crate::kernels::cpu::hugebuf::{Arena, Region};
 use crate::kernels::cpu::matmul;
 use crate::kernels::cpu::ops;
@@ -471,23 +472,10 @@ impl Backend for CpuBackend {
         up: &mut CpuAct,
         out: &mut CpuAct,
     ) {
-        if !matmul::ffn_decode(&self.pool, h, ws, act, gate, up, out) {
+        if !ffn::decode(&self.pool, h, ws, act, gate, up, out) {
             self.matmul_many(h, &mut [(ws.0, None, gate), (ws.1, None, up)]);
-            self.glu_matmul(gate, up, act, ws.2, out);
-        }
-    }
-
-    fn glu_matmul(
-        &self,
-        gate: &mut CpuAct,
-        up: &CpuAct,
-        act: Activation,
-        w: &CpuWeight,
-        out: &mut CpuAct,
-    ) {
-        if !matmul::glu_matmul(&self.pool, gate, up, act, w, out) {
             self.glu(gate, up, act);
-            self.matmul(w, gate, None, out);
+            self.matmul(ws.2, gate, None, out);
         }
     }
 

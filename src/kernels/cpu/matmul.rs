@@ -23,14 +23,12 @@
 
 use crate::format::GgmlType;
 use crate::kernels::cpu::backend::{CpuAct, CpuWeight};
-use crate::kernels::cpu::ops;
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::q6k_x16::Layout;
 use crate::kernels::cpu::q6k_x8;
 use crate::kernels::cpu::q80_gemm;
 use crate::kernels::cpu::simd;
 use crate::kernels::cpu::SharedMut;
-use crate::model::config::Activation;
 use crate::quant::Q8Variant;
 
 /// Weight types this matmul can multiply.
@@ -103,272 +101,6 @@ pub fn matmul_many(
     });
 }
 
-/// `gate = act(gate) * up`, then `out = gate · Wᵀ`, for one activation row (decode), with the
-/// GLU and the quantization of its result in one parallel region: each thread takes a contiguous
-/// run of whole quantization blocks, applies the GLU to it ([`ops::glu`], whose pieces may be cut
-/// at any multiple of 16) and quantizes it, so no thread waits on a serial quantization and each
-/// reads the GLU values it wrote. Results are those of [`ops::glu`] then [`matmul`]. Returns false,
-/// having done nothing, where it does not apply (several rows, or no AVX-512 quantizer for `w`'s
-/// activation format).
-pub fn glu_matmul(
-    pool: &ThreadPool,
-    gate: &mut CpuAct,
-    up: &CpuAct,
-    act: Activation,
-    w: &CpuWeight,
-    out: &mut CpuAct,
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let (cols, rows) = (gate.cols, w.rows);
-        let Some((quantize, elems)) = avx512_quantizer(w.ty) else {
-            return false;
-        };
-        if gate.rows != 1 || up.cols != cols || w.cols != cols {
-            return false;
-        }
-        assert_eq!((out.rows, out.cols), (1, rows), "matmul output shape");
-        let act_ty = crate::quant::vec_dot_type(w.ty);
-        if !cols.is_multiple_of(elems) {
-            return false;
-        }
-        let a_bytes = crate::quant::activation_row_bytes(act_ty, cols).expect("whole blocks");
-        let blk_bytes = a_bytes / (cols / elems);
-        let nblk = cols / elems;
-        XQ.with_borrow_mut(|xq| {
-            xq.resize(a_bytes, 0);
-            let (g, q) = (
-                SharedMut(gate.data.as_mut_ptr()),
-                SharedMut(xq.as_mut_ptr()),
-            );
-            pool.broadcast(|t, n| {
-                let (b0, b1) = (nblk * t / n, nblk * (t + 1) / n);
-                if b0 == b1 {
-                    return;
-                }
-                let (lo, hi) = (b0 * elems, b1 * elems);
-                // SAFETY: blocks b0..b1 of this thread are disjoint from every other thread's:
-                // their values lo..hi of `gate` (cols long) and their bytes of `xq` (a_bytes
-                // long) are written by this thread only; the pool joins before either is read.
-                let (gs, qs) = unsafe {
-                    (
-                        std::slice::from_raw_parts_mut(g.ptr().add(lo), hi - lo),
-                        std::slice::from_raw_parts_mut(
-                            q.ptr().add(b0 * blk_bytes),
-                            (b1 - b0) * blk_bytes,
-                        ),
-                    )
-                };
-                ops::glu(gs, &up.data[lo..hi], act);
-                quantize(gs, qs);
-            });
-            decode_many(pool, &mut [(w, out)], &[None], xq);
-        });
-        true
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (pool, gate, up, act, w, out);
-        false
-    }
-}
-
-/// The dense feed-forward of one activation row (decode), `out = (act(h·Gᵀ) * (h·Uᵀ)) · Dᵀ`, in
-/// two parallel regions instead of three: each thread computes the same rows of the gate and the
-/// up projection (one after the other, so it still reads one stream at a time), applies the GLU
-/// to them and quantizes them for the down projection, so no GLU value crosses between cores
-/// before the down projection reads the quantized row. A quantization block cut between threads
-/// is quantized by whichever of them finishes last. `gate` ends holding the GLU output and `up`
-/// the up projection, every value as `matmul_many`, [`ops::glu`] and [`matmul`] compute them.
-/// Returns false, having done nothing, where it does not apply (several rows, gate and up of
-/// different types or shapes, or no AVX-512 quantizer for the down projection's format).
-#[allow(clippy::too_many_arguments)]
-pub fn ffn_decode(
-    pool: &ThreadPool,
-    h: &CpuAct,
-    (gate_w, up_w, down_w): (&CpuWeight, &CpuWeight, &CpuWeight),
-    act: Activation,
-    gate: &mut CpuAct,
-    up: &mut CpuAct,
-    out: &mut CpuAct,
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let Some((quantize, elems)) = avx512_quantizer(down_w.ty) else {
-            return false;
-        };
-        let (ff, cols) = (gate_w.rows, gate_w.cols);
-        if h.rows != 1
-            || (up_w.ty, up_w.rows, up_w.cols) != (gate_w.ty, ff, cols)
-            || h.cols != cols
-            || down_w.cols != ff
-            || !ff.is_multiple_of(elems)
-        {
-            return false;
-        }
-        assert_eq!(
-            (gate.rows, gate.cols, up.rows, up.cols),
-            (1, ff, 1, ff),
-            "gate, up shapes"
-        );
-        assert_eq!(
-            (out.rows, out.cols),
-            (1, down_w.rows),
-            "matmul output shape"
-        );
-        let a_bytes =
-            crate::quant::activation_row_bytes(crate::quant::vec_dot_type(gate_w.ty), cols)
-                .expect("activation row fits the block size");
-        let d_bytes = crate::quant::activation_row_bytes(crate::quant::vec_dot_type(down_w.ty), ff)
-            .expect("whole blocks");
-        let packed = [gate_w, up_w].map(|w| packed_for_decode(pool, w));
-        // Thread t's rows: units cuts[t]..cuts[t + 1] of DECODE_UNIT rows, evenly.
-        let n = pool.n_threads();
-        let units = ff.div_ceil(DECODE_UNIT);
-        let cuts: Vec<usize> = (0..=n)
-            .map(|t| (units * t / n * DECODE_UNIT).min(ff))
-            .collect();
-        XQ.with_borrow_mut(|xq| {
-            quantize_rows(pool, gate_w.ty, h, a_bytes, xq);
-            XQ_DOWN.with_borrow_mut(|xd| {
-                xd.resize(d_bytes, 0);
-                let (g, u) = (
-                    SharedMut(gate.data.as_mut_ptr()),
-                    SharedMut(up.data.as_mut_ptr()),
-                );
-                let parts = PartsQuantizer::new(quantize, elems, &cuts, g, xd);
-                pool.broadcast(|t, _| {
-                    let (r0, r1) = (cuts[t], cuts[t + 1]);
-                    if r0 == r1 {
-                        return;
-                    }
-                    // SAFETY: rows r0..r1 of `gate` and `up` (ff values each) are this thread's
-                    // only; the pool joins before they are read elsewhere.
-                    let (gs, us) = unsafe {
-                        (
-                            std::slice::from_raw_parts_mut(g.ptr().add(r0), r1 - r0),
-                            std::slice::from_raw_parts_mut(u.ptr().add(r0), r1 - r0),
-                        )
-                    };
-                    decode_rows_of(gate_w, packed[0], xq, r0, gs);
-                    decode_rows_of(up_w, packed[1], xq, r0, us);
-                    ops::glu(gs, us, act);
-                    // SAFETY: this thread has written its part r0..r1 of `gate` and does not
-                    // touch it again in this region.
-                    unsafe { parts.part_done(t) };
-                });
-                decode_many(pool, &mut [(down_w, out)], &[None], xd);
-            });
-        });
-        true
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (pool, h, gate_w, up_w, down_w, act, gate, up, out);
-        false
-    }
-}
-
-/// One activation row quantized by the pool's threads as they produce it in parts: thread `t`
-/// writes values `cuts[t]..cuts[t + 1]` of `src`, then calls [`PartsQuantizer::part_done`], which
-/// quantizes the blocks inside its part into `dst` and, for a block cut between parts, counts
-/// itself done: the last of that block's threads to finish quantizes it. No thread waits on
-/// another, so this is safe in a pool region even when the caller runs a late worker's part
-/// after its own.
-struct PartsQuantizer<'a> {
-    quantize: Quantizer,
-    elems: usize,
-    blk_bytes: usize,
-    cuts: &'a [usize],
-    /// Per block: how many of its threads have finished their part of it.
-    done: Vec<std::sync::atomic::AtomicUsize>,
-    src: SharedMut<f32>,
-    dst: SharedMut<u8>,
-}
-
-impl<'a> PartsQuantizer<'a> {
-    /// `src` holds `*cuts.last()` values (whole blocks of `elems`), `dst` their quantized bytes.
-    fn new(
-        quantize: Quantizer,
-        elems: usize,
-        cuts: &'a [usize],
-        src: SharedMut<f32>,
-        dst: &mut [u8],
-    ) -> PartsQuantizer<'a> {
-        let len = *cuts.last().expect("one cut at least");
-        assert!(len.is_multiple_of(elems), "whole blocks");
-        let nblk = len / elems;
-        assert!(dst.len().is_multiple_of(nblk.max(1)), "bytes per block");
-        PartsQuantizer {
-            quantize,
-            elems,
-            blk_bytes: dst.len() / nblk.max(1),
-            cuts,
-            done: (0..nblk).map(|_| Default::default()).collect(),
-            src,
-            dst: SharedMut(dst.as_mut_ptr()),
-        }
-    }
-
-    /// Thread `t`'s part of `src` is written: quantizes what it can (see the type).
-    ///
-    /// # Safety
-    /// Values `cuts[t]..cuts[t + 1]` of `src` are written and no thread writes them again while
-    /// this quantizer lives; each `t` calls this once; `src` and `dst` outlive the quantizer.
-    unsafe fn part_done(&self, t: usize) {
-        use std::sync::atomic::Ordering;
-        let (r0, r1, e) = (self.cuts[t], self.cuts[t + 1], self.elems);
-        if r0 == r1 {
-            return;
-        }
-        let sharing = |b: usize| {
-            let (lo, hi) = (b * e, (b + 1) * e);
-            (0..self.cuts.len() - 1)
-                .filter(|&u| self.cuts[u] < hi && lo < self.cuts[u + 1])
-                .count()
-        };
-        for b in r0 / e..r1.div_ceil(e) {
-            let whole = b * e >= r0 && (b + 1) * e <= r1;
-            // A shared block: the AcqRel count makes the other threads' values visible to the
-            // last one, which quantizes it.
-            if !whole && self.done[b].fetch_add(1, Ordering::AcqRel) + 1 < sharing(b) {
-                continue;
-            }
-            // SAFETY: block b's values were all written (by this thread, or by the sharing
-            // threads that counted before it) and are not written again; its bytes of `dst` are
-            // written by this one thread only (a whole block has no other thread, a shared one
-            // one last thread).
-            let (x, q) = unsafe {
-                (
-                    std::slice::from_raw_parts(self.src.ptr().add(b * e), e),
-                    std::slice::from_raw_parts_mut(
-                        self.dst.ptr().add(b * self.blk_bytes),
-                        self.blk_bytes,
-                    ),
-                )
-            };
-            (self.quantize)(x, q);
-        }
-    }
-}
-
-/// An activation quantizer: whole blocks of floats into their bytes.
-type Quantizer = fn(&[f32], &mut [u8]);
-
-/// The AVX-512 quantizer of `w`'s activation format and its block length, where there is one.
-#[cfg(target_arch = "x86_64")]
-fn avx512_quantizer(w: GgmlType) -> Option<(Quantizer, usize)> {
-    use simd::avx512::quantize::{quantize_row_q8_0, quantize_row_q8k};
-    if simd::current() < simd::Level::Avx512 {
-        return None;
-    }
-    match crate::quant::vec_dot_type(w) {
-        GgmlType::Q8K => Some((quantize_row_q8k, 256)),
-        GgmlType::Q8_0 => Some((quantize_row_q8_0, 32)),
-        _ => None,
-    }
-}
-
 /// The body of [`matmul`] once the `n` activation rows are quantized into `xq`.
 fn matmul_quantized(
     pool: &ThreadPool,
@@ -399,13 +131,13 @@ fn matmul_quantized(
 }
 
 /// Output rows per unit of decode work: two x8-packed Q4_K groups (one unit of the wide layout).
-const DECODE_UNIT: usize = 16;
+pub(super) const DECODE_UNIT: usize = 16;
 
 /// One activation row (`xq`) against every job's weight rows in one parallel region, units of
 /// [`DECODE_UNIT`] rows handed out across the jobs; each row computed by the kernel a one-row
 /// [`matmul`] uses for it (the GEMV flavour of packed Q4_K, `dot_rows` where a type has it, else
 /// the type's tile kernel).
-fn decode_many(
+pub(super) fn decode_many(
     pool: &ThreadPool,
     jobs: &mut [(&CpuWeight, &mut CpuAct)],
     biases: &[Option<&[f32]>],
@@ -465,7 +197,7 @@ fn decode_many(
 }
 
 /// The packed copy decode reads for `w`, if it has one (packing it on first use).
-fn packed_for_decode<'a>(pool: &ThreadPool, w: &'a CpuWeight) -> Option<&'a [u8]> {
+pub(super) fn packed_for_decode<'a>(pool: &ThreadPool, w: &'a CpuWeight) -> Option<&'a [u8]> {
     w.packed_q4k(pool)
         .or_else(|| w.packed_q6k(pool))
         .or_else(|| w.packed_q5_0(pool))
@@ -474,7 +206,13 @@ fn packed_for_decode<'a>(pool: &ThreadPool, w: &'a CpuWeight) -> Option<&'a [u8]
 
 /// Rows `r0..r0 + out.len()` of `w` against one quantized activation row (`r0` a multiple of
 /// [`DECODE_UNIT`]).
-fn decode_rows_of(w: &CpuWeight, packed: Option<&[u8]>, xq: &[u8], r0: usize, out: &mut [f32]) {
+pub(super) fn decode_rows_of(
+    w: &CpuWeight,
+    packed: Option<&[u8]>,
+    xq: &[u8],
+    r0: usize,
+    out: &mut [f32],
+) {
     let r1 = r0 + out.len();
     if let Some(p) = packed.filter(|_| w.q6k_layout() == Layout::X16) {
         // Whole units of sixteen rows (`DECODE_UNIT`) from byte r0 * row_bytes on.
@@ -523,14 +261,18 @@ fn decode_rows_of(w: &CpuWeight, packed: Option<&[u8]>, xq: &[u8], r0: usize, ou
 thread_local! {
     /// The quantized activations of the current matmul, reused across calls (allocating them each
     /// time costs page faults on every prefill matmul).
-    static XQ: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// [`ffn_decode`]'s quantized GLU row, for the down projection (`XQ` holds its input then).
-    static XQ_DOWN: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    pub(super) static XQ: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Quantizes the `x.rows` activation rows for weight type `ty` into `xq` (`a_bytes` each), rows
 /// split across the pool.
-fn quantize_rows(pool: &ThreadPool, ty: GgmlType, x: &CpuAct, a_bytes: usize, xq: &mut Vec<u8>) {
+pub(super) fn quantize_rows(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    x: &CpuAct,
+    a_bytes: usize,
+    xq: &mut Vec<u8>,
+) {
     let n = x.rows;
     xq.resize(n * a_bytes, 0);
     let dst = SharedMut(xq.as_mut_ptr());
@@ -718,7 +460,7 @@ mod x86 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::quant::{quantize_activations, quantize_row};
 
@@ -726,7 +468,7 @@ mod tests {
 
     /// A CPU backend and `(type, rows)` weights of `cols` columns, each row quantized from its own
     /// test floats, loaded as the model loader loads them (packed copies included).
-    fn test_weights(
+    pub(crate) fn test_weights(
         specs: &[(GgmlType, usize)],
         cols: usize,
     ) -> (crate::kernels::cpu::backend::CpuBackend, Vec<CpuWeight>) {
@@ -767,7 +509,7 @@ mod tests {
         (be, ws)
     }
 
-    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    pub(crate) fn same_bits(a: &[f32], b: &[f32]) -> bool {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
     }
 
@@ -838,92 +580,6 @@ mod tests {
                         same_bits(&o.data, &want),
                         "n={n} job {i} ({:?}) of {take}",
                         specs[i].0
-                    );
-                }
-            }
-        }
-    }
-
-    /// `ffn_dense` (decode's two-region feed-forward) gives what `matmul_many`, `glu` and
-    /// `matmul` give, bit for bit, in all three outputs: gate/up types with and without packed
-    /// copies, both activation formats of the down projection, and a quantization block cut
-    /// between the threads (1280 rows: the cut falls inside the third 256-value block).
-    #[test]
-    fn ffn_dense_equals_its_steps() {
-        use crate::model::backend::Backend;
-        let (cols, ff) = (256, 1280);
-        let (be, ws) = test_weights(&[(GgmlType::Q4K, ff), (GgmlType::Q4K, ff)], cols);
-        let (_, ws2) = test_weights(&[(GgmlType::Q5_0, ff), (GgmlType::Q5_0, ff)], cols);
-        let (_, downs) = test_weights(
-            &[
-                (GgmlType::Q6K, 48),
-                (GgmlType::Q4K, 32),
-                (GgmlType::Q8_0, 32),
-            ],
-            ff,
-        );
-        for act in [Activation::Silu, Activation::GeluTanh] {
-            for (g, u) in [(&ws[0], &ws[1]), (&ws2[0], &ws2[1])] {
-                for d in &downs {
-                    for n in [1, 2] {
-                        let mut h = be.act(n, cols);
-                        h.data.copy_from_slice(&data(n * cols, 80 + n as u32));
-                        let (mut g1, mut u1, mut o1) =
-                            (be.act(n, ff), be.act(n, ff), be.act(n, d.rows));
-                        be.matmul_many(&h, &mut [(g, None, &mut g1), (u, None, &mut u1)]);
-                        be.glu(&mut g1, &u1, act);
-                        be.matmul(d, &g1, None, &mut o1);
-                        let (mut g2, mut u2, mut o2) =
-                            (be.act(n, ff), be.act(n, ff), be.act(n, d.rows));
-                        be.ffn_dense(&h, (g, u, d), act, &mut g2, &mut u2, &mut o2);
-                        let case = format!("{act:?} {:?}/{:?} n={n}", g.ty, d.ty);
-                        assert!(same_bits(&g1.data, &g2.data), "{case}: gate");
-                        assert!(same_bits(&u1.data, &u2.data), "{case}: up");
-                        assert!(same_bits(&o1.data, &o2.data), "{case}: out");
-                    }
-                }
-            }
-        }
-    }
-
-    /// `glu_matmul` (decode's fused GLU, quantization and matmul) gives what `glu` then `matmul`
-    /// give, bit for bit, in both its outputs, for each activation format and GLU.
-    #[test]
-    fn glu_matmul_equals_glu_then_matmul() {
-        use crate::model::backend::Backend;
-        let cols = 1280; // five Q8_K blocks: the two threads' runs differ in length
-        let specs = [
-            (GgmlType::Q4K, 32),
-            (GgmlType::Q6K, 16),
-            (GgmlType::Q5_0, 16),
-            (GgmlType::Q8_0, 16),
-        ];
-        let (be, ws) = test_weights(&specs, cols);
-        for act in [
-            Activation::Silu,
-            Activation::GeluTanh,
-            Activation::GeluTanhF32,
-        ] {
-            for n in [1, 2] {
-                let mut gate = be.act(n, cols);
-                gate.data.copy_from_slice(&data(n * cols, 60 + n as u32));
-                let mut up = be.act(n, cols);
-                up.data.copy_from_slice(&data(n * cols, 70 + n as u32));
-                for w in &ws {
-                    let (mut g1, mut o1) = (gate.clone(), be.act(n, w.rows));
-                    be.glu(&mut g1, &up, act);
-                    be.matmul(w, &g1, None, &mut o1);
-                    let (mut g2, mut o2) = (gate.clone(), be.act(n, w.rows));
-                    be.glu_matmul(&mut g2, &up, act, w, &mut o2);
-                    assert!(
-                        same_bits(&g1.data, &g2.data),
-                        "{act:?} n={n} {:?}: glu",
-                        w.ty
-                    );
-                    assert!(
-                        same_bits(&o1.data, &o2.data),
-                        "{act:?} n={n} {:?}: out",
-                        w.ty
                     );
                 }
             }
