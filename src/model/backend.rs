@@ -81,6 +81,22 @@ pub type MatmulJob<'a, B> = (
     &'a mut <B as Backend>::Act,
 );
 
+/// [`Backend::ffn_dense`] as its steps, one backend call each (its default, and a fusing
+/// backend's fallback).
+pub fn ffn_dense_steps<B: Backend + ?Sized>(
+    be: &B,
+    h: &B::Act,
+    (gate_w, up_w, down_w): (&B::Weight, &B::Weight, &B::Weight),
+    act: Activation,
+    gate: &mut B::Act,
+    up: &mut B::Act,
+    out: &mut B::Act,
+) {
+    be.matmul_many(h, &mut [(gate_w, None, gate), (up_w, None, up)]);
+    be.glu(gate, up, act);
+    be.matmul(down_w, gate, None, out);
+}
+
 pub trait Backend {
     /// A weight matrix, resident where this backend computes.
     type Weight;
@@ -165,9 +181,7 @@ pub trait Backend {
         up: &mut Self::Act,
         out: &mut Self::Act,
     ) {
-        self.matmul_many(h, &mut [(gate_w, None, gate), (up_w, None, up)]);
-        self.glu(gate, up, act);
-        self.matmul(down_w, gate, None, out);
+        ffn_dense_steps(self, h, (gate_w, up_w, down_w), act, gate, up, out)
     }
     /// Write rows of k and v into the cache at the given physical slots (block * block_size + offset).
     fn kv_write(

@@ -25,7 +25,7 @@ use crate::kernels::cpu::q6k_x4;
 use crate::kernels::cpu::q8_0_x16;
 use crate::kernels::cpu::rope::RopeTables;
 use crate::model::backend::{
-    AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+    ffn_dense_steps, AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -473,9 +473,7 @@ impl Backend for CpuBackend {
         out: &mut CpuAct,
     ) {
         if !ffn::decode(&self.pool, h, ws, act, gate, up, out) {
-            self.matmul_many(h, &mut [(ws.0, None, gate), (ws.1, None, up)]);
-            self.glu(gate, up, act);
-            self.matmul(ws.2, gate, None, out);
+            ffn_dense_steps(self, h, ws, act, gate, up, out);
         }
     }
 

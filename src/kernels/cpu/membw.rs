@@ -34,12 +34,17 @@ impl BandwidthBuffer {
         self.data.len()
     }
 
-    /// Reads the whole buffer across the pool once with each prefetch pattern; returns the faster
-    /// pass's bytes per second.
+    /// Reads the whole buffer across the pool once with each prefetch pattern (once in all where
+    /// the plain loop reads, which has none); returns the faster pass's bytes per second.
     pub fn read_once(&self, pool: &ThreadPool) -> f64 {
-        [Pattern::Near, Pattern::FarNta]
-            .map(|p| self.read_with(pool, p))
-            .into_iter()
+        let patterns: &[Pattern] = if simd_read() {
+            &[Pattern::Near, Pattern::FarNta]
+        } else {
+            &[Pattern::Near]
+        };
+        patterns
+            .iter()
+            .map(|&p| self.read_with(pool, p))
             .fold(0.0, f64::max)
     }
 
@@ -62,6 +67,12 @@ impl BandwidthBuffer {
     }
 }
 
+/// Whether reads take the SIMD loop (which prefetches), not the plain one.
+fn simd_read() -> bool {
+    cfg!(target_arch = "x86_64")
+        && crate::kernels::cpu::simd::current() >= crate::kernels::cpu::simd::Level::Avx2
+}
+
 /// How a read prefetches ahead of its loads.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Pattern {
@@ -76,7 +87,7 @@ enum Pattern {
 /// kernels can reach, not what a plain loop does.
 fn sum_words(words: &[u8], pattern: Pattern) -> u64 {
     #[cfg(target_arch = "x86_64")]
-    if crate::kernels::cpu::simd::current() >= crate::kernels::cpu::simd::Level::Avx2 {
+    if simd_read() {
         // SAFETY: the AVX2 level (or higher) is selected only after AVX2 was detected; the
         // kernel reads `words` only (prefetches past its end are hints and never fault).
         return unsafe { sum_words_avx2(words, pattern) };
