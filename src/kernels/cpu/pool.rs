@@ -96,6 +96,9 @@ struct Shared {
     done: Condvar,
     /// First panic payload raised by a worker in the current region.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
+    /// Tests only: while set, workers wait before claiming, so they are late for certain.
+    #[cfg(test)]
+    hold: AtomicBool,
 }
 
 // SAFETY: every field but `job` is Sync on its own; `job` is accessed under the epoch / claim
@@ -164,6 +167,8 @@ impl ThreadPool {
             done_lock: Mutex::new(()),
             done: Condvar::new(),
             panic: Mutex::new(None),
+            #[cfg(test)]
+            hold: AtomicBool::new(false),
         });
         let workers = (1..n_threads)
             .map(|index| {
@@ -317,6 +322,10 @@ fn worker_loop(shared: &Shared, index: usize) {
         seen = e;
         if shared.shutdown.load(Ordering::Acquire) {
             return;
+        }
+        #[cfg(test)]
+        while shared.hold.load(Ordering::Acquire) {
+            std::thread::yield_now();
         }
         if shared.claims[index].0.fetch_max(e, Ordering::AcqRel) >= e {
             // The caller already ran (or cancelled) this index: region `e` is or may be over.
@@ -587,22 +596,48 @@ mod tests {
     }
 
     #[test]
-    fn caller_runs_the_index_of_a_parked_worker() {
+    fn caller_runs_the_index_of_a_late_worker() {
         let pool = ThreadPool::new(2);
         let caller = std::thread::current().id();
-        let mut stolen = 0;
-        for _ in 0..20 {
-            // Let the worker park: waking it takes far longer than the caller's empty share.
-            std::thread::sleep(SPIN * 4);
-            let ran_on_caller = AtomicBool::new(false);
-            pool.broadcast(|i, _| {
-                if i == 1 && std::thread::current().id() == caller {
-                    ran_on_caller.store(true, Ordering::Relaxed);
+        // Hold the worker back before it claims, so it is late in every region (without the
+        // hold, whether it is late depends on the scheduler).
+        pool.shared.hold.store(true, Ordering::Release);
+        // If the caller waited for the held worker instead, a watchdog releases it after a
+        // while, so the test fails below rather than hanging.
+        let done = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let start = Instant::now();
+                while !done.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(5) {
+                    std::thread::sleep(Duration::from_millis(1));
                 }
+                pool.shared.hold.store(false, Ordering::Release);
             });
-            stolen += usize::from(ran_on_caller.into_inner());
+            caller_runs_every_held_index(&pool, caller);
+            done.store(true, Ordering::Release);
+        });
+        // Released, the worker skips the regions the caller ran and takes part again.
+        let total = AtomicUsize::new(0);
+        for _ in 0..100 {
+            pool.broadcast(|i, _| {
+                total.fetch_add(i + 1, Ordering::Relaxed);
+            });
         }
-        assert!(stolen > 0, "the caller never ran a late worker's index");
+        assert_eq!(total.into_inner(), 300);
+    }
+
+    fn caller_runs_every_held_index(pool: &ThreadPool, caller: std::thread::ThreadId) {
+        for round in 0..20 {
+            if round % 4 == 0 {
+                // Let the worker park too: the caller must not wait for it to wake.
+                std::thread::sleep(SPIN * 4);
+            }
+            let ran_on = Mutex::new(Vec::new());
+            pool.broadcast(|i, _| lock(&ran_on).push((i, std::thread::current().id())));
+            let mut ran_on = ran_on.into_inner().unwrap();
+            ran_on.sort_by_key(|&(i, _)| i);
+            assert_eq!(ran_on, vec![(0, caller), (1, caller)], "round {round}");
+        }
     }
 
     #[test]
