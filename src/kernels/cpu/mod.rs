@@ -20,6 +20,7 @@ pub mod q80_gemm;
 pub mod q8_0_x16;
 pub mod rope;
 pub mod simd;
+pub mod split;
 pub mod x16;
 
 /// A raw pointer into a buffer that the pool's threads write in disjoint parts (each its own
