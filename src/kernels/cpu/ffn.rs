@@ -13,6 +13,7 @@
 
 use crate::format::GgmlType;
 use crate::kernels::cpu::backend::{CpuAct, CpuWeight};
+use crate::kernels::cpu::chain;
 use crate::kernels::cpu::matmul::{
     decode_many, decode_rows_of, packed_for_decode, quantize_rows, DECODE_UNIT, XQ,
 };
@@ -90,26 +91,38 @@ pub fn decode(
                     SharedMut(up.data.as_mut_ptr()),
                 );
                 let parts = PartsQuantizer::new(quantize, elems, &cuts, g, xd);
-                pool.broadcast(|t, _| {
-                    let (r0, r1) = (cuts[t], cuts[t + 1]);
-                    if r0 == r1 {
-                        return;
-                    }
-                    // SAFETY: rows r0..r1 of `gate` and `up` (ff values each) are this thread's
-                    // only; the pool joins before they are read elsewhere.
-                    let (gs, us) = unsafe {
-                        (
-                            std::slice::from_raw_parts_mut(g.ptr().add(r0), r1 - r0),
-                            std::slice::from_raw_parts_mut(u.ptr().add(r0), r1 - r0),
-                        )
-                    };
-                    decode_rows_of(gate_w, packed[0], xq, r0, gs);
-                    decode_rows_of(up_w, packed[1], xq, r0, us);
-                    ops::glu(gs, us, act);
-                    // SAFETY: this thread has written its part r0..r1 of `gate` and does not
-                    // touch it again in this region.
-                    unsafe { parts.part_done(t) };
-                });
+                // Each thread starts on its gate rows; each worker, once done, prefetches its
+                // first bytes of the next region (the down projection; module `chain`).
+                let base = packed[0].unwrap_or_else(|| gate_w.bytes()).as_ptr() as usize;
+                let start = |t: usize| {
+                    let r = cuts[t];
+                    (base + r * gate_w.row_bytes, (ff - r) * gate_w.row_bytes)
+                };
+                let key = gate_w as *const CpuWeight as usize;
+                let after = chain::record(key, (0..n).map(start));
+                pool.broadcast_then_prefetch(
+                    |t, _| {
+                        let (r0, r1) = (cuts[t], cuts[t + 1]);
+                        if r0 == r1 {
+                            return;
+                        }
+                        // SAFETY: rows r0..r1 of `gate` and `up` (ff values each) are this thread's
+                        // only; the pool joins before they are read elsewhere.
+                        let (gs, us) = unsafe {
+                            (
+                                std::slice::from_raw_parts_mut(g.ptr().add(r0), r1 - r0),
+                                std::slice::from_raw_parts_mut(u.ptr().add(r0), r1 - r0),
+                            )
+                        };
+                        decode_rows_of(gate_w, packed[0], xq, r0, gs);
+                        decode_rows_of(up_w, packed[1], xq, r0, us);
+                        ops::glu(gs, us, act);
+                        // SAFETY: this thread has written its part r0..r1 of `gate` and does not
+                        // touch it again in this region.
+                        unsafe { parts.part_done(t) };
+                    },
+                    &after,
+                );
                 decode_many(pool, &mut [(down_w, out)], &[None], xd);
             });
         });

@@ -23,6 +23,7 @@
 
 use crate::format::GgmlType;
 use crate::kernels::cpu::backend::{CpuAct, CpuWeight};
+use crate::kernels::cpu::chain;
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::q6k_x16::Layout;
 use crate::kernels::cpu::q6k_x8;
@@ -226,8 +227,21 @@ fn decode_shared(
             }
         }
     };
+    // Each thread's first bytes of this region; each worker prefetches its first bytes of the
+    // region that followed this one last time once done here (module `chain`).
+    let start = |t: usize| {
+        let u = cuts[t];
+        let i = (0..ws.len())
+            .find(|&i| u < starts[i + 1])
+            .unwrap_or(ws.len() - 1);
+        let base = packed[i].unwrap_or_else(|| ws[i].bytes()).as_ptr() as usize;
+        let left = starts[i + 1].saturating_sub(u) * unit_bytes[i];
+        (base + u.saturating_sub(starts[i]) * unit_bytes[i], left)
+    };
+    let key = ws[0] as *const CpuWeight as usize;
+    let after = chain::record(key, (0..pool.n_threads()).map(start));
     if total_bytes < sharing.steal_from {
-        pool.broadcast(|t, _| chunk(cuts[t]..cuts[t + 1]));
+        pool.broadcast_then_prefetch(|t, _| chunk(cuts[t]..cuts[t + 1]), &after);
         return;
     }
     // A region this long (an output head) gives a core that streams slower for a while time
@@ -236,7 +250,7 @@ fn decode_shared(
         .min_chunk
         .div_ceil((total_bytes / total.max(1)).max(1));
     let split = Split::new(&cuts, min_units);
-    pool.broadcast(|t, _| split.run(t, chunk));
+    pool.broadcast_then_prefetch(|t, _| split.run(t, chunk), &after);
 }
 
 /// The packed copy decode reads for `w`, if it has one (packing it on first use).

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod attention_f32;
 pub mod backend;
+pub mod chain;
 pub mod ffn;
 pub mod hugebuf;
 pub mod matmul;

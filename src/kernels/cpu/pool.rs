@@ -28,6 +28,10 @@
 //!   If the caller's own share panics, indices no worker has claimed yet are cancelled.
 //! - A `broadcast` issued from inside a region (by the caller or a worker of any pool) runs all
 //!   thread indices inline on that thread instead of deadlocking.
+//! - A region may name, per worker, bytes to prefetch once that worker's task is done
+//!   ([`ThreadPool::broadcast_then_prefetch`]): the worker reads them into its L2 cache after it
+//!   has counted its task finished, while no new region has been dispatched. Prefetches are hints
+//!   that never fault, so any address will do; the region's result does not depend on them.
 
 use std::any::Any;
 use std::cell::{Cell, UnsafeCell};
@@ -96,6 +100,9 @@ struct Shared {
     done: Condvar,
     /// First panic payload raised by a worker in the current region.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
+    /// `after[i]`: the address and length worker `i` prefetches after its task in the current
+    /// region (length 0: none), written with the job and published by the epoch store.
+    after: Vec<Padded<[AtomicUsize; 2]>>,
     /// Tests only: while set, workers wait before claiming, so they are late for certain.
     #[cfg(test)]
     hold: AtomicBool,
@@ -167,6 +174,7 @@ impl ThreadPool {
             done_lock: Mutex::new(()),
             done: Condvar::new(),
             panic: Mutex::new(None),
+            after: (0..n_threads).map(|_| Padded(Default::default())).collect(),
             #[cfg(test)]
             hold: AtomicBool::new(false),
         });
@@ -198,6 +206,19 @@ impl ThreadPool {
     /// on thread identity. `f` may borrow from the caller's stack. A panic in any task is
     /// re-raised here once no task is running any more.
     pub fn broadcast<F: Fn(usize, usize) + Sync>(&self, f: F) {
+        self.broadcast_then_prefetch(f, &[]);
+    }
+
+    /// [`ThreadPool::broadcast`], and worker `i` then prefetches `after[i]` (an address and a
+    /// length in bytes) into its L2 cache, stopping when the next region is dispatched. For the
+    /// weights a worker reads first in the next region, so they stream in while the caller does
+    /// serial work between regions. Entries past `after`'s end, index 0 (the caller) and an index
+    /// the caller runs itself prefetch nothing.
+    pub fn broadcast_then_prefetch<F: Fn(usize, usize) + Sync>(
+        &self,
+        f: F,
+        after: &[(usize, usize)],
+    ) {
         let n = self.shared.n_threads;
         if n == 1 || IN_REGION.with(Cell::get) {
             // Inline: a single-thread pool, or a nested region (which would otherwise wait for
@@ -225,6 +246,11 @@ impl ThreadPool {
             };
         }
         shared.remaining.0.store(n - 1, Ordering::Relaxed);
+        for (i, slot) in shared.after.iter().enumerate().skip(1) {
+            let (addr, len) = after.get(i).copied().unwrap_or((0, 0));
+            slot.0[0].store(addr, Ordering::Relaxed);
+            slot.0[1].store(len, Ordering::Relaxed);
+        }
         // SeqCst pairs with the worker's `sleepers` increment then epoch re-check (no lost wakeup).
         shared.epoch.0.store(e, Ordering::SeqCst);
         if shared.sleepers.load(Ordering::SeqCst) > 0 {
@@ -347,6 +373,12 @@ fn worker_loop(shared: &Shared, index: usize) {
                 *slot = Some(payload);
             }
         }
+        // Read before counting the task done: the region's dispatcher rewrites them after.
+        let after = &shared.after[index].0;
+        let (addr, len) = (
+            after[0].load(Ordering::Relaxed),
+            after[1].load(Ordering::Relaxed),
+        );
         // SeqCst pairs with the caller's `caller_sleeping` store then `remaining` re-check.
         if shared.remaining.0.fetch_sub(1, Ordering::SeqCst) == 1
             && shared.caller_sleeping.load(Ordering::SeqCst)
@@ -354,6 +386,26 @@ fn worker_loop(shared: &Shared, index: usize) {
             let _g = lock(&shared.done_lock);
             shared.done.notify_one();
         }
+        prefetch_l2(addr, len, || shared.epoch.0.load(Ordering::Relaxed) == e);
+    }
+}
+
+/// Prefetches the `len` bytes from `addr` into L2, 64 bytes at a time, while `idle()` holds
+/// (checked every 2 KiB).
+fn prefetch_l2(addr: usize, len: usize, idle: impl Fn() -> bool) {
+    for (k, at) in (addr..addr.saturating_add(len)).step_by(64).enumerate() {
+        if k % 32 == 0 && !idle() {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch is a hint with no architectural effect; it never faults, whatever
+        // the address.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+            _mm_prefetch::<_MM_HINT_T1>(at as *const i8);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = at;
     }
 }
 
@@ -638,6 +690,48 @@ mod tests {
             ran_on.sort_by_key(|&(i, _)| i);
             assert_eq!(ran_on, vec![(0, caller), (1, caller)], "round {round}");
         }
+    }
+
+    /// A worker's prefetch after its task stops when the next region is dispatched: with a
+    /// length no prefetch could finish, the worker still takes part in later regions, and every
+    /// region's result is right.
+    #[test]
+    fn prefetch_after_a_task_yields_to_the_next_region() {
+        let pool = ThreadPool::new(2);
+        let caller = std::thread::current().id();
+        let huge = [(0, 0), (4096, usize::MAX / 2)];
+        let buf = vec![0u8; 1 << 20];
+        let near = [(0, 0), (buf.as_ptr() as usize, buf.len())];
+        let mut worker_ran = false;
+        for round in 0..500 {
+            let total = AtomicUsize::new(0);
+            let after = if round % 2 == 0 { &huge } else { &near };
+            let on_worker = AtomicBool::new(false);
+            pool.broadcast_then_prefetch(
+                |i, _| {
+                    total.fetch_add(i + 1, Ordering::Relaxed);
+                    if i == 0 {
+                        // Give a worker that is not stuck time to claim its index.
+                        let t0 = Instant::now();
+                        while t0.elapsed() < Duration::from_micros(200) {
+                            std::hint::spin_loop();
+                        }
+                    } else if std::thread::current().id() != caller {
+                        on_worker.store(true, Ordering::Relaxed);
+                    }
+                },
+                after,
+            );
+            assert_eq!(total.into_inner(), 3, "round {round}");
+            worker_ran |= on_worker.into_inner() && round > 0;
+            if worker_ran && round > 20 {
+                break;
+            }
+        }
+        assert!(
+            worker_ran,
+            "the worker never ran a task after a huge prefetch"
+        );
     }
 
     #[test]
