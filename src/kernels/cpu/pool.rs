@@ -56,7 +56,7 @@ thread_local! {
 
 /// Keeps hot atomics on their own cache lines.
 #[repr(align(128))]
-struct Padded<T>(T);
+pub(crate) struct Padded<T>(pub(crate) T);
 
 /// A type-erased `&F` where `F: Fn(usize, usize) + Sync`.
 #[derive(Clone, Copy)]

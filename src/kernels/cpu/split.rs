@@ -14,9 +14,7 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Keeps each range's word on its own cache lines.
-#[repr(align(128))]
-struct Padded(AtomicU64);
+use crate::kernels::cpu::pool::Padded;
 
 /// The unclaimed units `front..back` of one range, packed as `front << 32 | back`.
 fn pack(front: usize, back: usize) -> u64 {
@@ -29,7 +27,8 @@ fn unpack(w: u64) -> (usize, usize) {
 
 /// The ranges of one region; see the module docs.
 pub struct Split {
-    ranges: Vec<Padded>,
+    /// Each range's unclaimed units, on its own cache lines.
+    ranges: Vec<Padded<AtomicU64>>,
     /// The smallest chunk a claim takes (unless less is left), so a chunk is long enough for
     /// its stream to be worth starting.
     min: usize,
