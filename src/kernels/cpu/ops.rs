@@ -181,6 +181,53 @@ mod expf_x86 {
         _mm256_storeu_ps(x.as_mut_ptr(), out);
         true
     }
+
+    /// `g = (g / (1 + v_expf(0 - g))) * u` over whole 16-value vectors (`g.len()` a multiple of 16,
+    /// `u` as long), ggml's AVX-512 `ggml_vec_swiglu_f32` lane for lane: the same operations as
+    /// [`v_expf8`] (`GgmlIsa::Avx512`) and the scalar division and product, on 16 lanes; a vector
+    /// with a lane outside the common range goes through [`super::v_expf`] lane by lane.
+    ///
+    /// # Safety
+    /// AVX-512F, AVX2 and FMA are available.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn silu_glu16(g: &mut [f32], u: &[f32]) {
+        debug_assert!(g.len().is_multiple_of(16) && u.len() == g.len());
+        let c = |bits: u32| _mm512_set1_ps(f32::from_bits(bits));
+        let one = _mm512_set1_ps(1.0);
+        for (gc, uc) in g.chunks_exact_mut(16).zip(u.chunks_exact(16)) {
+            // SAFETY: both chunks hold 16 f32 (unaligned loads and stores).
+            let (gv, uv) = unsafe { (_mm512_loadu_ps(gc.as_ptr()), _mm512_loadu_ps(uc.as_ptr())) };
+            let x = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+            let r = _mm512_set1_ps(12_582_912.0);
+            let z = _mm512_fmadd_ps(x, c(0x3fb8_aa3b), r);
+            let n = _mm512_sub_ps(z, r);
+            let b = _mm512_fnmadd_ps(n, c(0x35bf_be8e), _mm512_fnmadd_ps(n, c(0x3f31_7200), x));
+            let abs_n = _mm512_abs_ps(n);
+            // NaN lanes also leave the fast path (the comparison is ordered).
+            let ok = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(abs_n, _mm512_set1_ps(126.0));
+            if ok != 0xFFFF {
+                for (gi, &ui) in gc.iter_mut().zip(uc) {
+                    *gi = (*gi / (1.0 + super::v_expf(0.0 - *gi, GgmlIsa::Avx512))) * ui;
+                }
+                continue;
+            }
+            let k = _mm512_castsi512_ps(_mm512_add_epi32(
+                _mm512_slli_epi32::<23>(_mm512_castps_si512(z)),
+                _mm512_castps_si512(one),
+            ));
+            let uu = _mm512_mul_ps(b, b);
+            let poly = _mm512_fmadd_ps(
+                _mm512_fmadd_ps(c(0x3c07_2010), b, c(0x3d2b_9f17)),
+                uu,
+                _mm512_fmadd_ps(c(0x3e2a_af33), b, c(0x3eff_fedb)),
+            );
+            let j = _mm512_fmadd_ps(poly, uu, _mm512_fmadd_ps(c(0x3f7f_fff6), b, one));
+            let e = _mm512_mul_ps(j, k);
+            let out = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv);
+            // SAFETY: `gc` holds 16 f32.
+            unsafe { _mm512_storeu_ps(gc.as_mut_ptr(), out) };
+        }
+    }
 }
 
 /// ggml's vectorised SiLU: `x / (1 + v_expf(0 - x))`.
@@ -206,6 +253,19 @@ pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
 /// y = x / rms(x) * w, over one group of `w.len()` values.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
     debug_assert_eq!(x.len(), w.len());
+    // In decode the norm weights come cold from memory (a region has just streamed megabytes of
+    // weights through the caches), and the product loop below waited on them line after line: all
+    // their lines are requested at once here, while the mean square is summed. Gemma-3 270M's
+    // decode step (about six norms a layer) 0.55-0.62% shorter in the low-bandwidth state and
+    // 0.27-1.9% in the high (two runs of 1000 pairs); Qwen2.5-1.5B's unchanged (0.9993).
+    #[cfg(target_arch = "x86_64")]
+    for line in w.chunks(16) {
+        // SAFETY: a prefetch is a hint with no architectural effect; it never faults.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
+        }
+    }
     let mean = crate::kernels::cpu::norm::mean_square(x);
     let scale = 1.0 / (mean + eps).sqrt();
     for ((yi, &xi), &wi) in y.iter_mut().zip(x).zip(w) {
@@ -410,6 +470,22 @@ fn glu_impl(gate: &mut [f32], up: &[f32], act: Activation) {
             let n = gate.len();
             let (gv, gt) = gate.split_at_mut(n - n % lanes);
             let (uv, ut) = up.split_at(n - n % lanes);
+            // Sixteen lanes in one AVX-512 function where the CPU has it: 4480 values (one
+            // thread's share of Qwen2.5-1.5B's feed-forward) took 0.60 µs instead of 2.8 through
+            // `v_expf8`, a call per eight lanes; that decode step 0.44% shorter in the
+            // high-bandwidth state (315 pairs), 0.07% in the low (285).
+            #[cfg(target_arch = "x86_64")]
+            if isa == GgmlIsa::Avx512
+                && crate::kernels::cpu::simd::current() >= crate::kernels::cpu::simd::Level::Avx512
+            {
+                // SAFETY: the AVX-512 level is selected only where AVX-512F, AVX2 and FMA were
+                // detected.
+                unsafe { expf_x86::silu_glu16(gv, uv) };
+                for (g, &u) in gt.iter_mut().zip(ut) {
+                    *g = (*g / (1.0 + (-*g).exp())) * u;
+                }
+                return;
+            }
             for (g, u) in gv.chunks_exact_mut(8).zip(uv.chunks_exact(8)) {
                 // silu: x / (1 + v_expf(0 - x)), eight lanes at a time (the same per lane)
                 let mut e: [f32; 8] = std::array::from_fn(|i| 0.0 - g[i]);
@@ -622,5 +698,48 @@ mod tests {
         assert!((g[0] - 2.0 * -0.158808).abs() < 2e-3, "{}", g[0]);
         assert_eq!(g[3], 40.0);
         assert_eq!(g[4], 0.0);
+    }
+
+    #[test]
+    fn silu_glu_is_ggmls_lane_formula_bit_for_bit() {
+        // ggml's AVX-512 swiglu lane by lane: `x / (1 + v_expf(0 - x))` times `u` over whole
+        // 16-value vectors, libm's expf for the tail; whichever vector path `glu` takes.
+        let isa = ggml_isa();
+        let lanes = if isa == GgmlIsa::Avx512 { 16 } else { 8 };
+        for (n, scale) in [
+            (4480usize, 1.0f32),
+            (4480, 30.0),
+            (1027, 120.0),
+            (77, 400.0),
+        ] {
+            let mut g: Vec<f32> = crate::kernels::cpu::test_floats(n, n as u32)
+                .iter()
+                .map(|v| v * scale)
+                .collect();
+            g[n / 3] = f32::INFINITY;
+            g[n / 2] = f32::NEG_INFINITY;
+            g[n / 5] = -0.0;
+            let u = crate::kernels::cpu::test_floats(n, 7);
+            let want: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .enumerate()
+                .map(|(i, (&x, &u))| {
+                    let e = if i < n - n % lanes {
+                        v_expf(0.0 - x, isa)
+                    } else {
+                        (-x).exp()
+                    };
+                    (x / (1.0 + e)) * u
+                })
+                .collect();
+            glu(&mut g, &u, Activation::Silu);
+            for (i, (a, b)) in g.iter().zip(&want).enumerate() {
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "n {n} scale {scale} lane {i}: {a} != {b}"
+                );
+            }
+        }
     }
 }
