@@ -189,8 +189,10 @@ impl<'a> PartsQuantizer<'a> {
         }
         let sharing = |b: usize| {
             let (lo, hi) = (b * e, (b + 1) * e);
-            (0..self.cuts.len() - 1)
-                .filter(|&u| self.cuts[u] < hi && lo < self.cuts[u + 1])
+            // Parts that hold values of block b (an empty part holds none and never counts).
+            self.cuts
+                .windows(2)
+                .filter(|c| c[0] < c[1] && c[0] < hi && lo < c[1])
                 .count()
         };
         for b in r0 / e..r1.div_ceil(e) {
@@ -240,6 +242,46 @@ mod tests {
     use super::*;
     use crate::kernels::cpu::matmul::tests::{same_bits, test_weights};
     use crate::kernels::cpu::test_floats as data;
+
+    /// Every block is quantized once, as a whole row's quantization gives it, whatever order the
+    /// parts finish in: blocks inside a part, blocks cut between two or more parts, and parts
+    /// left empty (more threads than units of rows, as `decode` cuts them).
+    #[test]
+    fn parts_quantize_every_block_once() {
+        let Some((quantize, elems)) = avx512_quantizer(GgmlType::Q4_0) else {
+            return; // no AVX-512 quantizer on this CPU
+        };
+        for (len, n) in [(32usize, 4usize), (64, 3), (256, 3), (1280, 2), (1280, 7)] {
+            let src = data(len, len as u32);
+            let blk = crate::quant::activation_row_bytes(GgmlType::Q8_0, elems).unwrap();
+            let mut want = vec![0u8; len / elems * blk];
+            for (x, q) in src.chunks(elems).zip(want.chunks_mut(blk)) {
+                quantize(x, q);
+            }
+            let units = len.div_ceil(DECODE_UNIT);
+            let cuts: Vec<usize> = (0..=n)
+                .map(|t| (units * t / n * DECODE_UNIT).min(len))
+                .collect();
+            for order in 0..n {
+                let mut got = vec![0u8; want.len()];
+                let mut s = src.clone();
+                let parts = PartsQuantizer::new(
+                    quantize,
+                    elems,
+                    &cuts,
+                    SharedMut(s.as_mut_ptr()),
+                    &mut got,
+                );
+                for k in 0..n {
+                    // SAFETY: the source is fully written before any part is reported, and each
+                    // part is reported once.
+                    unsafe { parts.part_done((k + order) % n) };
+                }
+                drop(parts);
+                assert_eq!(got, want, "len {len} over {n} parts, order {order}");
+            }
+        }
+    }
 
     /// `ffn_dense` (decode's two-region feed-forward) gives what `matmul_many`, `glu` and
     /// `matmul` give, bit for bit, in all three outputs: gate/up types with and without packed
