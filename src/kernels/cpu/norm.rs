@@ -18,8 +18,12 @@ pub fn mean_square(x: &[f32]) -> f32 {
     mean_square_fast(x).unwrap_or_else(|| mean_square_in_order(x))
 }
 
-/// ggml's loop itself.
+/// ggml's loop itself. An empty row (which ggml never normalizes) gives the canonical NaN: its
+/// `0 / 0` would take its sign from whether the compiler folded the division or the CPU ran it.
 pub fn mean_square_in_order(x: &[f32]) -> f32 {
+    if x.is_empty() {
+        return f32::NAN;
+    }
     let mut sum = 0f64;
     for &v in x {
         sum += (v * v) as f64;
@@ -30,6 +34,9 @@ pub fn mean_square_in_order(x: &[f32]) -> f32 {
 /// The in-order result where the lane sum decides it, else `None`.
 fn mean_square_fast(x: &[f32]) -> Option<f32> {
     let n = x.len();
+    if n == 0 {
+        return None;
+    }
     let mut lanes = [0f64; 8];
     let chunks = x.chunks_exact(8);
     let tail = chunks.remainder();
