@@ -198,10 +198,10 @@ impl DecodeJob<'_> {
         self.units * self.unit_bytes
     }
 
-    /// Where decode reads this job's unit `u` (of the region's numbering) from.
+    /// Where decode reads this job's unit `u` (of the region's numbering, `u >= start`) from.
     fn addr(&self, u: usize) -> usize {
         let base = self.packed.unwrap_or_else(|| self.w.bytes()).as_ptr() as usize;
-        base + u.saturating_sub(self.start) * self.unit_bytes
+        base + (u - self.start) * self.unit_bytes
     }
 }
 
@@ -281,14 +281,9 @@ fn decode_shared(
     // region that followed this one last time once done here (module `chain`).
     let start = |t: usize| {
         let u = cut(t);
-        let j = jobs()
-            .find(|j| u < j.start + j.units)
-            .or_else(|| jobs().last())
-            .unwrap_or(&first);
-        (
-            j.addr(u),
-            (j.start + j.units).saturating_sub(u) * j.unit_bytes,
-        )
+        jobs().find(|j| u < j.start + j.units).map_or((0, 0), |j| {
+            (j.addr(u), (j.start + j.units - u) * j.unit_bytes)
+        })
     };
     let key = first.w as *const CpuWeight as usize;
     let after = chain::record(key, (0..threads).map(start));
