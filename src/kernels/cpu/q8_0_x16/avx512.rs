@@ -25,14 +25,20 @@ const LINES: usize = BLOCK_BYTES.div_ceil(64);
 const _: () = assert!(LINES <= 9 && R == 16);
 
 /// Sixteen outputs (`out`) of one x16 unit (`w`: `nb` unit blocks) against one activation row
-/// (`a`: `nb` Q8_0 blocks).
+/// (`a`: `nb` Q8_0 blocks, `pre`: their [`lanes::Prep`]s).
 ///
 /// # Safety
 /// The AVX-512 level is available (AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI); `w` points at `nb`
-/// unit blocks, `a` at `nb` Q8_0 blocks, `out` at 16 writable floats.
+/// unit blocks, `a` at `nb` Q8_0 blocks, `pre` at their `nb` preps, `out` at 16 writable floats.
 #[allow(clippy::needless_range_loop)] // lanes index several arrays at once
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f32) {
+pub(super) unsafe fn dot_unit(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    pre: *const lanes::Prep,
+    out: *mut f32,
+) {
     let mut f = [_mm512_setzero_ps(); 8];
     for b in 0..nb {
         let x = w.add(b * BLOCK_BYTES);
@@ -40,14 +46,14 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
         for k in 0..LINES {
             _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * k).cast());
         }
-        let starts = lanes::starts(ya, -128);
+        let pr = *pre.add(b);
         let mut acc = [_mm512_setzero_si512(); 8];
         for l in 0..8 {
             let v = ld2x256(x.add(VALUES + 64 * l));
-            let start = _mm512_set1_epi32(starts[l]);
+            let start = _mm512_set1_epi32(pr.starts[l]);
             acc[l] = _mm512_dpbusd_epi32(start, v, bcast32x16(ya.add(2 + 4 * l)));
         }
-        lanes::fold(&mut f, x, ya, &acc);
+        lanes::fold(&mut f, x, pr.da, &acc);
     }
     lanes::store(&f, out);
 }

@@ -97,7 +97,7 @@ pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &
 /// `w` (whole units of a packed matrix): `out[i]` = packed row `i`, as the row kernel computes it.
 pub fn gemv(cols: usize, w: &[u8], xq: &[u8], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    gemv_blocks32(cols, W_BYTES, w, xq, out, avx512::dot_unit);
+    gemv_blocks32(cols, W_BYTES, w, xq, out, (avx512::dot_unit, -128));
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (cols, w, xq, out);
