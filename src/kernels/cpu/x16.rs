@@ -44,6 +44,21 @@ pub fn pack_units(
 #[cfg(target_arch = "x86_64")]
 pub type UnitKernel = unsafe fn(usize, *const u8, *const u8, *mut f32);
 
+/// Panics unless `w_len` bytes are whole units of `unit_bytes`, `out_len` is one output per
+/// row of them, the activation row is long enough (`xq_ok`), and the AVX-512 level (which the
+/// x16 layouts are only packed at) is available: what the x16 kernels' calls rely on.
+#[cfg(target_arch = "x86_64")]
+fn check_gemv(w_len: usize, unit_bytes: usize, out_len: usize, xq_ok: bool) {
+    use crate::kernels::cpu::simd::{current, Level};
+    assert!(w_len.is_multiple_of(unit_bytes), "whole units");
+    assert_eq!(out_len, w_len / unit_bytes * R, "one output per row");
+    assert!(xq_ok, "activation bytes");
+    assert!(
+        current() >= Level::Avx512,
+        "the x16 layouts are only packed at the AVX-512 level"
+    );
+}
+
 /// One activation row (`xq`, at least `a_bytes` long) against the whole units in `w` (`nb`
 /// blocks a row, `unit_bytes` a unit) through `kernel`: `out[i]` = packed row `i`. Panics below
 /// the AVX-512 level, which the x16 layouts are only packed at.
@@ -57,25 +72,19 @@ pub fn gemv_units(
     out: &mut [f32],
     kernel: UnitKernel,
 ) {
-    use crate::kernels::cpu::simd::{current, Level};
-    assert!(w.len().is_multiple_of(unit_bytes), "whole units");
-    assert_eq!(out.len(), w.len() / unit_bytes * R, "one output per row");
-    assert!(xq.len() >= a_bytes, "activation bytes");
-    assert!(
-        current() >= Level::Avx512,
-        "the x16 layouts are only packed at the AVX-512 level"
-    );
-    for (u, o) in out.chunks_exact_mut(R).enumerate() {
-        // SAFETY: the AVX-512 level is available (asserted); unit u lies inside `w`, the
-        // activation row inside `xq` (asserted length), and `o` has 16 slots.
-        unsafe {
-            kernel(
-                nb,
-                w.as_ptr().add(u * unit_bytes),
-                xq.as_ptr(),
-                o.as_mut_ptr(),
-            )
-        };
+    check_gemv(w.len(), unit_bytes, out.len(), xq.len() >= a_bytes);
+    each_unit(w, unit_bytes, out, |unit, o| {
+        // SAFETY: the AVX-512 level is available (checked); the unit lies inside `w`, the
+        // activation row inside `xq` (checked length), and `o` has 16 slots.
+        unsafe { kernel(nb, unit, xq.as_ptr(), o) }
+    });
+}
+
+/// Calls `f(unit, outputs)` for each whole unit of `unit_bytes` in `w`, with its 16 outputs.
+#[cfg(target_arch = "x86_64")]
+fn each_unit(w: &[u8], unit_bytes: usize, out: &mut [f32], mut f: impl FnMut(*const u8, *mut f32)) {
+    for (unit, o) in w.chunks_exact(unit_bytes).zip(out.chunks_exact_mut(R)) {
+        f(unit.as_ptr(), o.as_mut_ptr());
     }
 }
 
@@ -137,37 +146,22 @@ pub fn gemv_blocks32(
     out: &mut [f32],
     (kernel, off): (Block32Kernel, i8),
 ) {
-    use crate::kernels::cpu::simd::{current, Level};
     assert!(cols.is_multiple_of(32), "whole blocks");
     let nb = cols / 32;
     let unit_bytes = nb * R * w_bytes;
-    assert!(w.len().is_multiple_of(unit_bytes), "whole units");
-    assert_eq!(out.len(), w.len() / unit_bytes * R, "one output per row");
-    assert!(xq.len() >= nb * Q8_0_BYTES, "activation bytes");
-    assert!(
-        current() >= Level::Avx512,
-        "the x16 layouts are only packed at the AVX-512 level"
-    );
+    check_gemv(w.len(), unit_bytes, out.len(), xq.len() >= nb * Q8_0_BYTES);
     PREPS.with_borrow_mut(|preps| {
         preps.resize(nb, lanes::Prep::default());
         for (b, p) in preps.iter_mut().enumerate() {
-            // SAFETY: the AVX-512 level is available (asserted); block b lies inside `xq`.
+            // SAFETY: the AVX-512 level is available (checked); block b lies inside `xq`.
             *p = unsafe { lanes::prep(xq.as_ptr().add(b * Q8_0_BYTES), off) };
         }
-        for (u, o) in out.chunks_exact_mut(R).enumerate() {
-            // SAFETY: the AVX-512 level is available (asserted); unit u lies inside `w`, the
-            // activation row inside `xq` (asserted length), its nb preps in `preps`, and `o` has
+        each_unit(w, unit_bytes, out, |unit, o| {
+            // SAFETY: the AVX-512 level is available (checked); the unit lies inside `w`, the
+            // activation row inside `xq` (checked length), its nb preps in `preps`, and `o` has
             // 16 slots.
-            unsafe {
-                kernel(
-                    nb,
-                    w.as_ptr().add(u * unit_bytes),
-                    xq.as_ptr(),
-                    preps.as_ptr(),
-                    o.as_mut_ptr(),
-                )
-            };
-        }
+            unsafe { kernel(nb, unit, xq.as_ptr(), preps.as_ptr(), o) }
+        });
     });
 }
 

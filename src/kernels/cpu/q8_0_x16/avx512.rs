@@ -8,7 +8,7 @@ use std::arch::x86_64::*;
 
 use super::{BLOCK_BYTES, R, VALUES, W_BYTES};
 use crate::kernels::cpu::simd::avx512::{bcast32x16, ld2x256};
-use crate::kernels::cpu::x16::lanes;
+use crate::kernels::cpu::x16::lanes::{self, Prep};
 
 /// How far ahead decode prefetches, in bytes: eight unit blocks (4.3 KB), with the non-temporal
 /// hint (`prefetchnta`). Gemma-3 270M's 178 MB head alone, alternated in one process: with `T0`
@@ -24,21 +24,15 @@ const PREFETCH: usize = 8 * BLOCK_BYTES;
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
 const _: () = assert!(LINES <= 9 && R == 16);
 
-/// Sixteen outputs (`out`) of one x16 unit (`w`: `nb` unit blocks) against one activation row
-/// (`a`: `nb` Q8_0 blocks, `pre`: their [`lanes::Prep`]s).
+/// Sixteen outputs (`o`) of one x16 unit (`w`: `nb` unit blocks) against one activation row
+/// (`a`: `nb` Q8_0 blocks, `pr`: their [`Prep`]s).
 ///
 /// # Safety
 /// The AVX-512 level is available (AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI); `w` points at `nb`
-/// unit blocks, `a` at `nb` Q8_0 blocks, `pre` at their `nb` preps, `out` at 16 writable floats.
+/// unit blocks, `a` at `nb` Q8_0 blocks, `pr` at their `nb` preps, `o` at 16 writable floats.
 #[allow(clippy::needless_range_loop)] // lanes index several arrays at once
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(super) unsafe fn dot_unit(
-    nb: usize,
-    w: *const u8,
-    a: *const u8,
-    pre: *const lanes::Prep,
-    out: *mut f32,
-) {
+pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, pr: *const Prep, o: *mut f32) {
     let mut f = [_mm512_setzero_ps(); 8];
     for b in 0..nb {
         let x = w.add(b * BLOCK_BYTES);
@@ -46,14 +40,14 @@ pub(super) unsafe fn dot_unit(
         for k in 0..LINES {
             _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * k).cast());
         }
-        let pr = *pre.add(b);
+        let bp = *pr.add(b);
         let mut acc = [_mm512_setzero_si512(); 8];
         for l in 0..8 {
             let v = ld2x256(x.add(VALUES + 64 * l));
-            let start = _mm512_set1_epi32(pr.starts[l]);
+            let start = _mm512_set1_epi32(bp.starts[l]);
             acc[l] = _mm512_dpbusd_epi32(start, v, bcast32x16(ya.add(2 + 4 * l)));
         }
-        lanes::fold(&mut f, x, pr.da, &acc);
+        lanes::fold(&mut f, x, bp.da, &acc);
     }
-    lanes::store(&f, out);
+    lanes::store(&f, o);
 }
