@@ -239,18 +239,22 @@ pub fn silu(x: f32, isa: GgmlIsa) -> f32 {
 /// [`rms_norm`] of `x` into `x` itself (each value depends only on itself and the mean square,
 /// which is taken before any is written).
 pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
-    debug_assert_eq!(x.len(), w.len());
-    prefetch_weights(w);
-    let scale = 1.0 / (crate::kernels::cpu::norm::mean_square(x) + eps).sqrt();
+    let scale = rms_scale(x, w, eps);
     crate::kernels::cpu::norm::scale_in_place(x, scale, w);
 }
 
 /// y = x / rms(x) * w, over one group of `w.len()` values.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
+    let scale = rms_scale(x, w, eps);
+    crate::kernels::cpu::norm::scale_into(x, scale, w, y);
+}
+
+/// `1 / sqrt(mean square of x + eps)`, with the weights `w` the product will read requested
+/// meanwhile.
+fn rms_scale(x: &[f32], w: &[f32], eps: f32) -> f32 {
     debug_assert_eq!(x.len(), w.len());
     prefetch_weights(w);
-    let scale = 1.0 / (crate::kernels::cpu::norm::mean_square(x) + eps).sqrt();
-    crate::kernels::cpu::norm::scale_into(x, scale, w, y);
+    1.0 / (crate::kernels::cpu::norm::mean_square(x) + eps).sqrt()
 }
 
 /// Requests all of a norm's weight lines at once. In decode they come cold from memory (a region
