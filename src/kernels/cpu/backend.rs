@@ -1,13 +1,12 @@
 //! The CPU implementation of `model::Backend`. Weights stay zero-copy views into the memory-mapped
-//! file; activations are plain `Vec<f32>`; the KV cache is paged f16 storage (f32 for models computed
-//! in f32, see `attention_f32`). Every op that touches a matrix splits its output rows across the
-//! persistent thread pool; no op allocates per row.
+//! file; activations are plain `Vec<f32>`; the KV cache is paged f16 storage on huge pages
+//! ([`KvPlane`]; f32 for models computed in f32, see `attention_f32`). Every op that touches a matrix
+//! splits its output rows across the persistent thread pool; no op allocates per row.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{bail, Result};
-use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use crate::format::{GgmlType, Gguf};
@@ -15,6 +14,7 @@ use crate::kernels::cpu::attention;
 use crate::kernels::cpu::attention_f32::{self, KvF32};
 use crate::kernels::cpu::ffn;
 use crate::kernels::cpu::hugebuf::{Arena, Region};
+use crate::kernels::cpu::kv_plane::KvPlane;
 use crate::kernels::cpu::matmul;
 use crate::kernels::cpu::ops;
 use crate::kernels::cpu::pool::ThreadPool;
@@ -155,8 +155,8 @@ impl CpuAct {
 
 /// Paged KV storage: per layer, `n_blocks * block_size` slots of `kv_dim` f16 values for K and V.
 pub struct CpuKv {
-    pub k: Vec<Vec<f16>>, // (n_layer, n_blocks * block_size * kv_dim)
-    pub v: Vec<Vec<f16>>, // (n_layer, n_blocks * block_size * kv_dim)
+    pub k: KvPlane, // (n_layer, n_blocks * block_size * kv_dim)
+    pub v: KvPlane, // (n_layer, n_blocks * block_size * kv_dim)
     pub block_size: usize,
     pub kv_dim: usize,
     /// The f32 storage instead (`k` and `v` are then empty), for `KvType::F32`.
@@ -340,17 +340,16 @@ impl Backend for CpuBackend {
             .ok_or_else(|| anyhow::anyhow!("KV cache size overflows"))?;
         if kv_type == KvType::F32 {
             return Ok(CpuKv {
-                k: Vec::new(),
-                v: Vec::new(),
+                k: KvPlane::zeroed(0, 0),
+                v: KvPlane::zeroed(0, 0),
                 block_size,
                 kv_dim,
                 f32: Some(KvF32::new(n_layer, per_layer)),
             });
         }
-        let zero = f16::from_f32(0.0);
         Ok(CpuKv {
-            k: (0..n_layer).map(|_| vec![zero; per_layer]).collect(),
-            v: (0..n_layer).map(|_| vec![zero; per_layer]).collect(),
+            k: KvPlane::zeroed(n_layer, per_layer),
+            v: KvPlane::zeroed(n_layer, per_layer),
             block_size,
             kv_dim,
             f32: None,

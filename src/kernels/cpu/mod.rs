@@ -7,6 +7,7 @@ pub mod backend;
 pub mod chain;
 pub mod ffn;
 pub mod hugebuf;
+pub mod kv_plane;
 pub mod matmul;
 pub mod membw;
 pub mod norm;

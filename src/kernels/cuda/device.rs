@@ -227,14 +227,10 @@ impl Backend for DeviceBackend {
             _ => None,
         };
         let cpu = if g < n_layer {
-            let mut kv = self
+            // The GPU layers' host storage is never touched, so it takes no memory (`KvPlane`).
+            let kv = self
                 .cpu
                 .alloc_kv(n_layer, n_blocks, block_size, kv_dim, kv_type)?;
-            // The GPU layers' host storage is never used.
-            for l in 0..g.min(kv.k.len()) {
-                kv.k[l] = Vec::new();
-                kv.v[l] = Vec::new();
-            }
             Some(kv)
         } else {
             None
