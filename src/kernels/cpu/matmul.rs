@@ -311,20 +311,6 @@ fn decode_shared(
 /// KiB did no better (Qwen 1.0010 and 1.0025). Bit-identical: prefetches are hints.
 const START_PREFETCH: usize = 4 << 10;
 
-/// Requests the first [`START_PREFETCH`] bytes of `w` (a decode call's weights) into L1.
-fn prefetch_start(w: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for at in (0..w.len().min(START_PREFETCH)).step_by(64) {
-        // SAFETY: `at` lies inside `w`, and a prefetch is a hint that never faults.
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().add(at).cast());
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = w;
-}
-
 /// The packed copy decode reads for `w`, if it has one (packing it on first use).
 pub(super) fn packed_for_decode<'a>(pool: &ThreadPool, w: &'a CpuWeight) -> Option<&'a [u8]> {
     w.packed_q4k(pool)
@@ -344,7 +330,7 @@ pub(super) fn decode_rows_of(
 ) {
     let r1 = r0 + out.len();
     if let Some(head) = packed.and_then(|p| p.get(r0 * w.row_bytes..r1 * w.row_bytes)) {
-        prefetch_start(head);
+        super::prefetch_l1(&head[..head.len().min(START_PREFETCH)]);
     }
     if let Some(p) = packed.filter(|_| w.q6k_layout() == Layout::X16) {
         // Whole units of sixteen rows (`DECODE_UNIT`) from byte r0 * row_bytes on.

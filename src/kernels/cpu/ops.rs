@@ -253,26 +253,13 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
 /// meanwhile.
 fn rms_scale(x: &[f32], w: &[f32], eps: f32) -> f32 {
     debug_assert_eq!(x.len(), w.len());
-    prefetch_weights(w);
+    // All the weight lines requested at once. In decode they come cold from memory (a region has
+    // just streamed megabytes of weights through the caches), and the product loop waited on them
+    // line after line: Gemma-3 270M's decode step (about six norms a layer) 0.55-0.62% shorter in
+    // the low-bandwidth state and 0.27-1.9% in the high (two runs of 1000 pairs); Qwen2.5-1.5B's
+    // unchanged (0.9993).
+    crate::kernels::cpu::prefetch_l1(w);
     1.0 / (crate::kernels::cpu::norm::mean_square(x) + eps).sqrt()
-}
-
-/// Requests all of a norm's weight lines at once. In decode they come cold from memory (a region
-/// has just streamed megabytes of weights through the caches), and the product loop waited on
-/// them line after line: Gemma-3 270M's decode step (about six norms a layer) 0.55-0.62% shorter
-/// in the low-bandwidth state and 0.27-1.9% in the high (two runs of 1000 pairs); Qwen2.5-1.5B's
-/// unchanged (0.9993).
-fn prefetch_weights(w: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in w.chunks(16) {
-        // SAFETY: a prefetch is a hint with no architectural effect; it never faults.
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = w;
 }
 
 /// Cos/sin table for one position: `cache[2i] = cos θ_i`, `cache[2i+1] = sin θ_i`, θ_i = pos·base^(-2i/d),

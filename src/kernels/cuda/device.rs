@@ -228,10 +228,10 @@ impl Backend for DeviceBackend {
         };
         let cpu = if g < n_layer {
             // The GPU layers' host storage is never touched, so it takes no memory (`KvPlane`).
-            let kv = self
-                .cpu
-                .alloc_kv(n_layer, n_blocks, block_size, kv_dim, kv_type)?;
-            Some(kv)
+            Some(
+                self.cpu
+                    .alloc_kv(n_layer, n_blocks, block_size, kv_dim, kv_type)?,
+            )
         } else {
             None
         };
