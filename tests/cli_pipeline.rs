@@ -106,6 +106,22 @@ fn quiet_leaves_stderr_empty_but_errors() {
     );
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stderr(&o), "");
+    // The KV cache a token reads, from Gemma-3 270M's shape (18 layers, one KV head of 256, every
+    // sixth layer global, the others a 512-token window; f16): at depth 600 the two steps see
+    // 601 and 602 positions in the 3 global layers and 512 in the 15 others, K and V.
+    let o = common::infer(
+        &[
+            "bench", "-m", &m, "-p", "0", "-n", "2", "-r", "1", "-d", "600", "--json",
+        ],
+        None,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let row = 2 * 256 * 2;
+    assert_eq!(
+        v["kv_bytes_per_token"].as_u64(),
+        Some((15 * 512 * row) + (3 * (601 + 602) * row) / 2)
+    );
     // errors still speak
     let o = common::infer(&["run", "-q", "-m", "/nonexistent.gguf", "-p", "x"], None);
     assert_eq!(o.status.code(), Some(2));

@@ -1,6 +1,7 @@
 //! `infer bench`: prompt processing (pp) and token generation (tg) speed in the manner of llama-bench,
 //! with the machine's memory read bandwidth measured in the same run, interleaved with the runs, so
-//! decode speed can be held against its roofline (tokens/s × bytes read per token ÷ bandwidth).
+//! decode speed can be held against its roofline (tokens/s × bytes read per token ÷ bandwidth), the
+//! bytes being the weights a token reads and the KV cache it attends over.
 
 use std::io::Write;
 use std::time::Instant;
@@ -65,7 +66,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.n_prompt == 0 && a.n_gen == 0 {
         return Err(UsageError("nothing to measure: -p and -n are both 0".into()).into());
     }
-    let ctx = a.depth + a.n_prompt.max(a.n_gen) + 1;
+    // The warm-up extends a fresh sequence by five tokens.
+    let ctx = a.depth + a.n_prompt.max(a.n_gen).max(5) + 1;
     let loaded = load(&a.model.model, a.model.threads, Some(ctx))?;
     let mut runner = loaded.runner;
     if runner.n_ctx() < ctx {
@@ -76,7 +78,13 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .into());
     }
     let vocab = runner.vocab_size();
-    let bpt = bytes_per_token(&loaded.gguf);
+    let weight_bytes = bytes_per_token(&loaded.gguf);
+    let bpt = weight_bytes as f64;
+    // A generated token also reads the KV cache: at the mean over a repetition's positions.
+    let kv_bpt = (a.depth..a.depth + a.n_gen)
+        .map(|p| runner.model.cfg.kv_read_bytes(p) as f64)
+        .sum::<f64>()
+        / a.n_gen.max(1) as f64;
     let model_bytes = loaded.gguf.file_size();
     let mut rng = Tokens(0x9E37_79B9_7F4A_7C15);
     let backend = runner.model.backend.name();
@@ -166,7 +174,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             bandwidth.runs.push(after);
             efficiency
                 .runs
-                .push(tps * bpt as f64 / 1e9 / ((before + after) / 2.0));
+                .push(tps * (bpt + kv_bpt) / 1e9 / ((before + after) / 2.0));
         }
         if progress {
             eprint!("\rinfer: bench repetition {}/{}", rep + 1, a.reps);
@@ -197,7 +205,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             json!({
                 "model": name,
                 "model_bytes": model_bytes,
-                "bytes_per_token": bpt,
+                "bytes_per_token": weight_bytes,
+                "kv_bytes_per_token": kv_bpt.round() as u64,
                 "threads": loaded.threads,
                 "backend": backend,
                 "reps": a.reps,
@@ -245,10 +254,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         writeln!(
             out,
             "decode efficiency: {:.0}% of the bandwidth roofline (median over {} repetitions of \
-             tg t/s × {:.3} GB/token ÷ the bandwidth read around each; {:.0}-{:.0}%)",
+             tg t/s × ({:.3} GB of weights + {:.3} GB of KV cache) a token ÷ the bandwidth read \
+             around each; {:.0}-{:.0}%)",
             e * 100.0,
             efficiency.runs.len(),
-            bpt as f64 / 1e9,
+            bpt / 1e9,
+            kv_bpt / 1e9,
             efficiency.min() * 100.0,
             efficiency.max() * 100.0
         )?;

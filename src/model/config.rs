@@ -287,6 +287,31 @@ impl ModelConfig {
     pub fn q_dim(&self) -> usize {
         self.n_head * self.head_dim
     }
+
+    /// Bytes of the KV cache a one-token step at position `pos` reads: the keys and values of
+    /// every position it sees, in every layer (a sliding-window layer sees at most its window).
+    pub fn kv_read_bytes(&self, pos: usize) -> u64 {
+        let elem = match self.kv_type {
+            KvType::F16 => 2,
+            KvType::F32 => 4,
+        };
+        kv_read_bytes(
+            self.kv_dim() * elem,
+            self.layers.iter().map(|l| l.window),
+            pos,
+        )
+    }
+}
+
+/// [`ModelConfig::kv_read_bytes`] for cache rows of `row_bytes` (one position's K, or its V, in
+/// one layer) and the layers' windows.
+fn kv_read_bytes(row_bytes: usize, windows: impl Iterator<Item = Option<u32>>, pos: usize) -> u64 {
+    windows
+        .map(|w| {
+            let seen = w.map_or(pos + 1, |w| (pos + 1).min(w as usize));
+            2 * (row_bytes * seen) as u64
+        })
+        .sum()
 }
 
 /// Which layers use the sliding window: `key` as a per-layer bool array, or as a period `n` (the
@@ -309,4 +334,23 @@ fn sliding_layers(g: &Gguf, key: &str, arch: Arch, n_layer: usize) -> Result<Opt
         None if arch == Arch::Gemma3 => period(6),
         None => None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kv_read_bytes;
+
+    #[test]
+    fn kv_bytes_count_every_visible_position_and_stop_at_windows() {
+        // Gemma-3's pattern: five sliding-window layers (512) then a global one.
+        let windows = || (0..6).map(|i| (i % 6 < 5).then_some(512u32));
+        // Position 9 sees 10 positions everywhere: K and V rows of 1024 bytes, six layers.
+        assert_eq!(kv_read_bytes(1024, windows(), 9), 6 * 10 * 2 * 1024);
+        // Position 999: the windowed layers see 512, the global one 1000.
+        assert_eq!(
+            kv_read_bytes(1024, windows(), 999),
+            (5 * 512 + 1000) * 2 * 1024
+        );
+        assert_eq!(kv_read_bytes(64, std::iter::empty(), 5), 0);
+    }
 }
