@@ -25,13 +25,16 @@ const R: usize = 2 * GROUP;
 /// it read 77-81 (182-397 pairs); Gemma-3 270M's 1.006 at 80 (2369 pairs). Two blocks and two and
 /// a half: 1.012-1.014 in the low state, 0.973 and 0.989 in the high; five 0.982 in the high. In
 /// that session the kernel alone, on two threads over a 113 MB matrix, read 87-92% of the probe
-/// in the high state and 96-98% in the low (three blocks ahead 90% and 98%). (Earlier sessions, alone on a 186 MB matrix while the probe, then on 4 KiB pages,
-/// read 75 GB/s: into L1 9216 bytes ahead 82.5 GB/s, 6912 80.8, 13824 80.2, 4608 76.3; into L2
-/// 9216 bytes ahead 77.9, 4608 71.6.) With the non-temporal hint (`prefetchnta`) instead of `T0`,
-/// Qwen2.5-1.5B's decode step, alternated step by step in one process: 0.4-1.1% shorter while the
-/// probe read 47-51 GB/s (five runs of 181-600 pairs), 1.2-1.6% while it read 74-79 (two runs of
-/// 279-419); Gemma-3 270M's 0.4% (low state); in the 2026-11-26 session `T0` again 1.2% and 2.1%
-/// slower (1151 and 49 pairs). (Q6_K's kernel with it: -0.4 to +1%.)
+/// in the high state and 96-98% in the low (three blocks ahead 90% and 98%). (Earlier sessions,
+/// alone on a 186 MB matrix while the probe, then on 4 KiB pages, read 75 GB/s: into L1 9216
+/// bytes ahead 82.5 GB/s, 6912 80.8, 13824 80.2, 4608 76.3; into L2 9216 bytes ahead 77.9, 4608
+/// 71.6.) With the non-temporal hint (`prefetchnta`) instead of `T0`, Qwen2.5-1.5B's decode step,
+/// alternated step by step in one process: 0.4-1.1% shorter while the probe read 47-51 GB/s
+/// (five runs of 181-600 pairs), 1.2-1.6% while it read 74-79 (two runs of 279-419); Gemma-3
+/// 270M's 0.4% (low state). In the 2026-11-26 session `T0` was again 1.1-1.3% slower in the low
+/// state; in the high state 2.1% slower four blocks ahead (49 pairs) and 1.0% faster three ahead
+/// (482 pairs), but neither its down-projection part nor the rest alone was faster (0.998 and
+/// 0.995). (Q6_K's kernel with `prefetchnta`: -0.4 to +1%.)
 const PREFETCH: usize = 6 * BLOCK_BYTES;
 /// Cache lines of one unit block (36: one per step of its 32, four steps taking two).
 const LINES: usize = 2 * BLOCK_BYTES / 64;
