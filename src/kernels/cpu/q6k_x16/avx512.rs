@@ -18,13 +18,15 @@ use crate::kernels::cpu::simd::avx512::{bcast32x16, ld2x256};
 const A_BYTES: usize = 292;
 const A_QS: usize = 4;
 const A_BSUMS: usize = 260;
-/// How far ahead decode prefetches into L1, in bytes: two unit blocks. Streaming a 191 MB matrix
-/// on two threads, distances alternated in one process (medians of 113-400 rounds): while the
-/// probe read 74 GB/s, 6720-10080 bytes ahead read 74-75 GB/s, 3360 66.5, 5040 70, 13440 71,
-/// no prefetch 64; while it read 48 GB/s, 3360-8400 bytes all read 47-48 GB/s.
+/// How far ahead decode prefetches, in bytes: two unit blocks. Streaming a 191 MB matrix on two
+/// threads, distances alternated in one process (medians of 113-400 rounds): while the probe read
+/// 74 GB/s, 6720-10080 bytes ahead read 74-75 GB/s, 3360 66.5, 5040 70, 13440 71, no prefetch 64;
+/// while it read 48 GB/s, 3360-8400 bytes all read 47-48 GB/s. (Those with `T0`, seven at a time;
+/// with the spread non-temporal ones below, Qwen2.5-1.5B's decode step was the same at 5040 and
+/// 8400 bytes ahead as at 6720: paired ratios 0.994-1.003.)
 const PREFETCH: usize = 2 * BLOCK_BYTES;
 /// Cache lines of one unit block (53), prefetched seven per group `g` (the last three into the
-/// next block).
+/// next block), one per step of its first seven.
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
 const _: () = assert!(LINES <= 8 * 7 && R == 16);
 
@@ -54,11 +56,6 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
         let ya = a.add(b * A_BYTES);
         let mut acc = [_mm512_setzero_si512(); 8];
         for g in 0..8 {
-            for k in 7 * g..7 * g + 7 {
-                _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + 64 * k).cast());
-            }
-            // Keeps the compiler from gathering the prefetches back into one burst.
-            std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
             let sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256(x.add(SCALES + 32 * g).cast()));
             let s = [
                 _mm512_shuffle_epi8(sp, dup_lo),
@@ -83,6 +80,21 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
                 ];
                 for j in 0..4 {
                     let l = 4 * h + j;
+                    if l < 7 {
+                        // One non-temporal prefetch per step, not seven `T0` ones at the
+                        // group's start. The kernel alone, on two threads over a 191 MB
+                        // matrix, alternated with the bandwidth probe (medians of 60-80 rounds,
+                        // 2026-11-26): 0.92-0.93 of the probe that way, 0.99-1.0 this way, in
+                        // both states (probe 47 and 74 GB/s); spread with `T0` 0.94-0.96 in
+                        // the low state, `prefetchnta` seven at a time 0.92. Qwen2.5-1.5B's
+                        // decode step 1.7-2.6% shorter in the low state and 1.3% in the high
+                        // (paired, 199-600 pairs a run); Gemma-3 270M's the same.
+                        _mm_prefetch::<_MM_HINT_NTA>(
+                            x.wrapping_add(PREFETCH + 64 * (7 * g + l)).cast(),
+                        );
+                        // Keeps the compiler from gathering the prefetches into one burst.
+                        std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+                    }
                     let y = bcast32x16(ya.add(A_QS + 32 * g + 4 * l));
                     let p = _mm512_maddubs_epi16(v[j], y);
                     acc[l] = _mm512_dpwssd_epi32(acc[l], p, s[h]);
