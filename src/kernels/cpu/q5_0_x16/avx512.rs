@@ -16,9 +16,12 @@ const A_BYTES: usize = 34;
 /// How far ahead decode prefetches into L1, in bytes: sixteen unit blocks (5.6 KB). Gemma-3
 /// 270M's decode step, alternated in one process against eight blocks (2.8 KB): 1.1-2.3% shorter
 /// while the probe read 80-82 GB/s (three runs of 354-488 pairs), unchanged (0.998-1.004) while
-/// it read 48-50 GB/s; 24 blocks: +1.6% and -0.5%.
+/// it read 48-50 GB/s; 24 blocks: +1.6% and -0.5%. Those were `T0` hints, issued at a block's
+/// start. Non-temporal ones spread over its lane pairs (2026-11-26): the step 1.1% shorter in
+/// the low state (1198 pairs) and 0.1% in the high (1302); `T0` spread 0.5% shorter and 0.2%
+/// longer.
 const PREFETCH: usize = 16 * BLOCK_BYTES;
-/// Cache lines of one unit block (5.5), prefetched one per lane pair.
+/// Cache lines of one unit block (5.5), prefetched one per lane pair (the first six).
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
 const _: () = assert!(LINES <= 8 && R == 16);
 
@@ -37,9 +40,6 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, pr: *const 
     for b in 0..nb {
         let x = w.add(b * BLOCK_BYTES);
         let ya = a.add(b * A_BYTES);
-        for k in 0..LINES {
-            _mm_prefetch::<_MM_HINT_T0>(x.wrapping_add(PREFETCH + 64 * k).cast());
-        }
         let bp = *pr.add(b);
         let fifth = ld2x256(x.add(FIFTH));
         let mut acc = [_mm512_setzero_si512(); 8];
@@ -51,6 +51,11 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, pr: *const 
             ];
             for h in 0..2 {
                 let l = 2 * p + h;
+                if l < LINES {
+                    _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * l).cast());
+                    // Keeps the compiler from gathering the prefetches back into one burst.
+                    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+                }
                 let bit = _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(1 << l));
                 let v = _mm512_mask_add_epi8(nib[h], bit, nib[h], c16);
                 let start = _mm512_set1_epi32(bp.starts[l]);
