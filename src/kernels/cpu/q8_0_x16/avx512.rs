@@ -24,7 +24,7 @@ use crate::kernels::cpu::x16::lanes::{self, Prep};
 /// the low; Gemma-3's decode step 1.8% shorter in the high state (437 pairs) and 0.3% longer in
 /// the low (2063); with Q5_0's spread as well, 0.1% and 0.6% shorter (1794 and 1206).
 const PREFETCH: usize = 8 * BLOCK_BYTES;
-/// Cache lines of one unit block (8.5): one prefetched per lane, two with the first.
+/// Cache lines of one unit block (8.5): one prefetched per lane, the last with the first lane's.
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
 const _: () = assert!(LINES == 9 && R == 16);
 
@@ -46,7 +46,7 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, pr: *const 
         for l in 0..8 {
             _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * l).cast());
             if l == 0 {
-                _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * 8).cast());
+                _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * (LINES - 1)).cast());
             }
             // Keeps the compiler from gathering the prefetches back into one burst.
             std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
