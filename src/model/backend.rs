@@ -74,6 +74,80 @@ pub struct AttnShape {
     pub scale: f32,
 }
 
+/// An attention sublayer with plain projections (multi-head or grouped-query), for
+/// [`Backend::attention_block`]: `q, k, v = h · Wᵀ (+ b)`, per-head RMS norms of q and k where
+/// given, RoPE of both, q optionally scaled, K/V into the cache, attention, then `wo`.
+pub struct AttnBlock<'a, B: Backend + ?Sized> {
+    pub wq: &'a B::Weight, // (n_head * head_dim, n_embd)
+    pub wk: &'a B::Weight, // (n_head_kv * head_dim, n_embd)
+    pub wv: &'a B::Weight, // (n_head_kv * head_dim, n_embd)
+    pub bq: Option<&'a B::Vector>,
+    pub bk: Option<&'a B::Vector>,
+    pub bv: Option<&'a B::Vector>,
+    pub q_norm: Option<&'a B::Vector>, // (head_dim)
+    pub k_norm: Option<&'a B::Vector>, // (head_dim)
+    pub norm_eps: f32,
+    pub rope: Rope,
+    pub rope_freqs: Option<&'a B::Vector>,
+    /// Multiplies q before attention (a model that scales q rather than the scores).
+    pub q_scale: Option<f32>,
+    pub wo: &'a B::Weight, // (n_embd, n_head * head_dim)
+}
+
+/// Where an attention sublayer's rows go: each row's position, its KV slot and its query.
+pub struct AttnBatch<'a, 'b> {
+    pub positions: &'a [u32],
+    pub slots: &'a [usize],
+    pub queries: &'a [AttnQuery<'b>],
+    pub shape: AttnShape,
+}
+
+/// The rows an attention sublayer works in: `q` and `attn` (n, n_head * head_dim), `k` and `v`
+/// (n, n_head_kv * head_dim).
+pub struct AttnScratch<'a, B: Backend + ?Sized> {
+    pub q: &'a mut B::Act,
+    pub k: &'a mut B::Act,
+    pub v: &'a mut B::Act,
+    pub attn: &'a mut B::Act,
+}
+
+/// [`Backend::attention_block`] as its steps, one backend call each (its default, and a fusing
+/// backend's fallback).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_block_steps<B: Backend + ?Sized>(
+    be: &B,
+    h: &B::Act,
+    blk: &AttnBlock<'_, B>,
+    kv: &mut B::Kv,
+    layer: usize,
+    batch: &AttnBatch<'_, '_>,
+    s: AttnScratch<'_, B>,
+    out: &mut B::Act,
+) {
+    be.matmul_many(
+        h,
+        &mut [
+            (blk.wq, blk.bq, &mut *s.q),
+            (blk.wk, blk.bk, &mut *s.k),
+            (blk.wv, blk.bv, &mut *s.v),
+        ],
+    );
+    if let Some(qn) = blk.q_norm {
+        be.rms_norm_inplace(s.q, qn, blk.norm_eps);
+    }
+    if let Some(kn) = blk.k_norm {
+        be.rms_norm_inplace(s.k, kn, blk.norm_eps);
+    }
+    be.rope(s.q, batch.positions, blk.rope, blk.rope_freqs);
+    be.rope(s.k, batch.positions, blk.rope, blk.rope_freqs);
+    if let Some(scale) = blk.q_scale {
+        be.scale(s.q, scale);
+    }
+    be.kv_write(kv, layer, s.k, s.v, batch.slots);
+    be.attention(s.q, kv, layer, batch.queries, batch.shape, s.attn);
+    be.matmul(blk.wo, s.attn, None, out);
+}
+
 /// One job of [`Backend::matmul_many`]: a weight, its optional bias, and the output.
 pub type MatmulJob<'a, B> = (
     &'a <B as Backend>::Weight,
@@ -192,6 +266,23 @@ pub trait Backend {
         v: &Self::Act,
         slots: &[usize],
     );
+    /// A whole attention sublayer with plain projections (see [`AttnBlock`]), its output into
+    /// `out` (n, n_embd), every value as [`attention_block_steps`] computes it (the scratch rows
+    /// are left unspecified). A backend may fuse the steps (the CPU one runs a decode step's
+    /// Q/K/V projections, RoPE and attention in one parallel region).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_block(
+        &self,
+        h: &Self::Act,
+        blk: &AttnBlock<'_, Self>,
+        kv: &mut Self::Kv,
+        layer: usize,
+        batch: &AttnBatch<'_, '_>,
+        s: AttnScratch<'_, Self>,
+        out: &mut Self::Act,
+    ) {
+        attention_block_steps(self, h, blk, kv, layer, batch, s, out)
+    }
     /// Causal attention of each q row over its sequence's cached keys and values.
     fn attention(
         &self,

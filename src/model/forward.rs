@@ -9,7 +9,9 @@
 
 use anyhow::{bail, Result};
 
-use crate::model::backend::{AttnQuery, AttnShape, Backend, Rope};
+use crate::model::backend::{
+    AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend, Rope,
+};
 use crate::model::config::ModelConfig;
 use crate::model::weights::{Attn, Ffn, Weights};
 use crate::model::{mla, moe};
@@ -92,39 +94,6 @@ impl<B: Backend> Model<B> {
         for (il, (lw, lc)) in w.layers.iter().zip(&cfg.layers).take(layers).enumerate() {
             // attention block
             be.rms_norm(&x, &lw.attn_norm, cfg.norm_eps, &mut h);
-            match (&lw.attn, &cfg.mla) {
-                (Attn::Mha(a), _) => {
-                    be.matmul_many(
-                        &h,
-                        &mut [
-                            (&a.wq, a.bq.as_ref(), &mut q),
-                            (&a.wk, a.bk.as_ref(), &mut k),
-                            (&a.wv, a.bv.as_ref(), &mut v),
-                        ],
-                    );
-                    if let Some(qn) = &a.q_norm {
-                        be.rms_norm_inplace(&mut q, qn, cfg.norm_eps);
-                    }
-                    if let Some(kn) = &a.k_norm {
-                        be.rms_norm_inplace(&mut k, kn, cfg.norm_eps);
-                    }
-                    let rope = Rope {
-                        style: cfg.rope_style,
-                        base: lc.rope_base,
-                        head_dim: cfg.head_dim,
-                    };
-                    be.rope(&mut q, &positions, rope, w.rope_freqs.as_ref());
-                    be.rope(&mut k, &positions, rope, w.rope_freqs.as_ref());
-                }
-                (Attn::Mla(a), Some(m)) => {
-                    (q, k, v) = mla::qkv(be, cfg, m, a, &h, &positions, lc.rope_base);
-                }
-                (Attn::Mla(_), None) => bail!("MLA weights without MLA dimensions"),
-            }
-            if cfg.scale_q_first {
-                be.scale(&mut q, cfg.attn_scale);
-            }
-            be.kv_write(kv, il, &k, &v, &slots);
             let queries: Vec<AttnQuery<'_>> = batch
                 .iter()
                 .map(|e| AttnQuery {
@@ -146,10 +115,53 @@ impl<B: Backend> Model<B> {
                     cfg.attn_scale
                 },
             };
-            be.attention(&q, kv, il, &queries, shape, &mut attn);
-            match &cfg.mla {
-                Some(m) => be.matmul(&lw.wo, &mla::values(be, cfg, m, &attn), None, &mut o),
-                None => be.matmul(&lw.wo, &attn, None, &mut o),
+            let rope = Rope {
+                style: cfg.rope_style,
+                base: lc.rope_base,
+                head_dim: cfg.head_dim,
+            };
+            match (&lw.attn, &cfg.mla) {
+                (Attn::Mha(a), None) => {
+                    let blk = AttnBlock {
+                        wq: &a.wq,
+                        wk: &a.wk,
+                        wv: &a.wv,
+                        bq: a.bq.as_ref(),
+                        bk: a.bk.as_ref(),
+                        bv: a.bv.as_ref(),
+                        q_norm: a.q_norm.as_ref(),
+                        k_norm: a.k_norm.as_ref(),
+                        norm_eps: cfg.norm_eps,
+                        rope,
+                        rope_freqs: w.rope_freqs.as_ref(),
+                        q_scale: cfg.scale_q_first.then_some(cfg.attn_scale),
+                        wo: &lw.wo,
+                    };
+                    let at = AttnBatch {
+                        positions: &positions,
+                        slots: &slots,
+                        queries: &queries,
+                        shape,
+                    };
+                    let s = AttnScratch {
+                        q: &mut q,
+                        k: &mut k,
+                        v: &mut v,
+                        attn: &mut attn,
+                    };
+                    be.attention_block(&h, &blk, kv, il, &at, s, &mut o);
+                }
+                (Attn::Mla(a), Some(m)) => {
+                    (q, k, v) = mla::qkv(be, cfg, m, a, &h, &positions, lc.rope_base);
+                    if cfg.scale_q_first {
+                        be.scale(&mut q, cfg.attn_scale);
+                    }
+                    be.kv_write(kv, il, &k, &v, &slots);
+                    be.attention(&q, kv, il, &queries, shape, &mut attn);
+                    be.matmul(&lw.wo, &mla::values(be, cfg, m, &attn), None, &mut o);
+                }
+                (Attn::Mha(_), Some(_)) => bail!("plain attention weights with MLA dimensions"),
+                (Attn::Mla(_), None) => bail!("MLA weights without MLA dimensions"),
             }
             if il + 1 == layers && want.len() < n {
                 // Only the rows that want logits go on (llama.cpp's `inp_out_ids`).

@@ -118,6 +118,19 @@ enum Path {
     },
 }
 
+/// The kernel a one-row forward runs for `qa`: split-KV from [`SPLIT_KV_MIN`] cells on.
+fn one_row_path(qa: &AttnQuery<'_>) -> Path {
+    let n_kv = (qa.pos as usize + 1).div_ceil(KV_PAD) * KV_PAD;
+    if n_kv >= SPLIT_KV_MIN {
+        Path::Split {
+            chunk: n_kv.div_ceil(llamacpp_threads()),
+            n_kv,
+        }
+    } else {
+        Path::OneChunk
+    }
+}
+
 /// One sequence's K and V rows of one layer for positions `base..base + n`, widened to f32 (exact)
 /// once per call, position-major.
 struct SeqKv {
@@ -209,6 +222,18 @@ struct Paged<'a> {
     /// Whether this thread has not read these rows yet in this call (the first of its units on
     /// this KV head), so they are prefetched as they are scored.
     cold: bool,
+    /// A position whose key and value rows (this KV head's) are read from here, not from the
+    /// cache: a fused decode step attends over its own new rows before they are stored
+    /// (`attn_block`).
+    fresh: Option<Fresh<'a>>,
+}
+
+/// One position's new key and value rows, not yet in the cache (see [`Paged::fresh`]).
+#[derive(Clone, Copy)]
+struct Fresh<'a> {
+    pos: usize,
+    k: &'a [f16],
+    v: &'a [f16],
 }
 
 impl Paged<'_> {
@@ -243,13 +268,23 @@ impl Paged<'_> {
     }
     #[inline]
     fn k(&self, p: usize) -> &[f16] {
-        let s = self.slot(p);
-        &self.k[s..s + self.hd]
+        match self.fresh {
+            Some(f) if f.pos == p => f.k,
+            _ => {
+                let s = self.slot(p);
+                &self.k[s..s + self.hd]
+            }
+        }
     }
     #[inline]
     fn v(&self, p: usize) -> &[f16] {
-        let s = self.slot(p);
-        &self.v[s..s + self.hd]
+        match self.fresh {
+            Some(f) if f.pos == p => f.v,
+            _ => {
+                let s = self.slot(p);
+                &self.v[s..s + self.hd]
+            }
+        }
     }
 }
 
@@ -277,36 +312,13 @@ pub fn attention(
     let hd = shape.head_dim;
     let group = shape.n_head / shape.n_head_kv;
     let isa = ggml_isa();
-    let n_kv = queries
-        .iter()
-        .map(|qa| (qa.pos as usize + 1).div_ceil(KV_PAD) * KV_PAD)
-        .max()
-        .unwrap_or(KV_PAD);
-    let path = if queries.len() >= FA_TILE_Q {
-        Path::Tiled
-    } else if queries.len() == 1 && n_kv >= SPLIT_KV_MIN {
-        Path::Split {
-            chunk: n_kv.div_ceil(llamacpp_threads()),
-            n_kv,
-        }
-    } else {
-        Path::OneChunk
+    let path = match queries {
+        _ if queries.len() >= FA_TILE_Q => Path::Tiled,
+        [qa] => one_row_path(qa),
+        _ => Path::OneChunk,
     };
     // Row-invariant mode: each query takes the path a one-row call for it alone would take.
-    let path_of = |qa: &AttnQuery<'_>| {
-        if !invariant {
-            return path;
-        }
-        let n_kv = (qa.pos as usize + 1).div_ceil(KV_PAD) * KV_PAD;
-        if n_kv >= SPLIT_KV_MIN {
-            Path::Split {
-                chunk: n_kv.div_ceil(llamacpp_threads()),
-                n_kv,
-            }
-        } else {
-            Path::OneChunk
-        }
-    };
+    let path_of = |qa: &AttnQuery<'_>| if invariant { one_row_path(qa) } else { path };
     let tiled = !invariant && path == Path::Tiled;
     // The tiled kernel reads widened copies: each sequence's keys and values once (queries of one
     // sequence share a block table). The other paths read the f16 cache in place.
@@ -402,74 +414,161 @@ pub fn attention(
         }
         behind += cost(u);
     }
+    let (k, v) = (&kv.k[layer][..], &kv.v[layer][..]);
     pool.broadcast(|t, _| {
         let range = cuts[t]..cuts[t + 1];
-        if range.is_empty() {
-            return;
-        }
-        SCRATCH.with_borrow_mut(|scratch| {
-            if scratch.first().is_some_and(|s| s.q16.len() != hd) {
-                scratch.clear();
-            }
-            let mut last = None;
-            let (mut qrows, mut res) = (Vec::new(), Vec::new());
-            let mut unit = range.start;
-            while unit < range.end {
-                let (i, h) = (unit / shape.n_head, unit % shape.n_head);
-                // The next heads of this query row that read the same KV head (a GQA group), run as
-                // one group so each key and value row is widened once for all of them.
-                let same_kv =
-                    |u: usize| u / shape.n_head == i && (u % shape.n_head) / group == h / group;
-                let mut end = unit + 1;
-                while end < range.end && end - unit < decode::MAX_GROUP && same_kv(end) {
-                    end += 1;
-                }
-                let ng = end - unit;
-                unit = end;
-                let qa = &queries[i];
-                let off = (h / group) * hd;
-                let rows = (qa.block_table.as_ptr(), off);
-                let cold = last != Some(rows);
-                last = Some(rows);
-                let view = KvView {
-                    wide: tiled.then(|| Heads {
-                        seq: &seqs[seq_of[i]].1,
-                        kvd,
-                        off,
-                        hd,
-                    }),
-                    paged: Paged {
-                        k: &kv.k[layer],
-                        v: &kv.v[layer],
-                        table: qa.block_table,
-                        bs: kv.block_size,
-                        kvd,
-                        off,
-                        hd,
-                        cold,
-                    },
-                };
-                qrows.clear();
-                qrows.extend((h..h + ng).map(|h| &q.row(i)[h * hd..(h + 1) * hd]));
-                res.clear();
-                // SAFETY: i < out.rows and (h + ng) * hd <= out_cols; units (i, h..h + ng) are handled
-                // by exactly one thread, so these slices are written once and do not overlap.
-                res.extend((h..h + ng).map(|h| unsafe {
+        let mut last = None;
+        let mut unit = range.start;
+        while unit < range.end {
+            // This thread's heads of query row i.
+            let i = unit / shape.n_head;
+            let end = range.end.min((i + 1) * shape.n_head);
+            let qa = &queries[i];
+            let job = HeadsJob {
+                qa,
+                path: path_of(qa),
+                kv: (k, v),
+                bs: kv.block_size,
+                kvd,
+                group,
+                shape,
+                isa,
+                wide: tiled.then(|| &seqs[seq_of[i]].1),
+                fresh: None,
+            };
+            let row = q.row(i);
+            let heads = unit - i * shape.n_head..end - i * shape.n_head;
+            run_heads(
+                &job,
+                heads,
+                |h| &row[h * hd..(h + 1) * hd],
+                // SAFETY: i < out.rows and h < n_head, so the slice lies inside `out`; units
+                // (i, h) are handled by exactly one thread and each once, so these slices are
+                // written once and do not overlap.
+                |h| unsafe {
                     std::slice::from_raw_parts_mut(dst.ptr().add(i * out_cols + h * hd), hd)
-                }));
-                let unit = Unit {
-                    path: path_of(qa),
-                    lo: qa.lo as usize,
-                    pos: qa.pos as usize,
-                    scale: shape.scale,
-                    isa,
-                };
-                while scratch.len() < ng {
-                    scratch.push(Scratch::new(hd));
+                },
+                &mut last,
+            );
+            unit = end;
+        }
+    });
+}
+
+/// One query row's attention as [`run_heads`] reads it.
+pub(crate) struct HeadsJob<'a> {
+    qa: &'a AttnQuery<'a>,
+    path: Path,
+    /// The layer's K and V cache planes.
+    kv: (&'a [f16], &'a [f16]),
+    bs: usize,
+    kvd: usize,
+    /// Query heads per KV head.
+    group: usize,
+    shape: AttnShape,
+    isa: GgmlIsa,
+    /// The widened rows (the tiled path only).
+    wide: Option<&'a SeqKv>,
+    /// The query's own new K and V rows, not yet in the cache: `(first KV head, k, v)`, the rows
+    /// of KV heads `first..first + k.len() / head_dim`.
+    fresh: Option<(usize, &'a [f16], &'a [f16])>,
+}
+
+impl<'a> HeadsJob<'a> {
+    /// A decode step's job (one query row, the f16 cache), with the kernel a one-row call takes.
+    pub(crate) fn decode(
+        qa: &'a AttnQuery<'a>,
+        kv: (&'a [f16], &'a [f16]),
+        (bs, kvd): (usize, usize),
+        shape: AttnShape,
+        fresh: Option<(usize, &'a [f16], &'a [f16])>,
+    ) -> HeadsJob<'a> {
+        HeadsJob {
+            qa,
+            path: one_row_path(qa),
+            kv,
+            bs,
+            kvd,
+            group: shape.n_head / shape.n_head_kv,
+            shape,
+            isa: ggml_isa(),
+            wide: None,
+            fresh,
+        }
+    }
+}
+
+/// Heads `heads` of one query row, on the calling thread: head `h`'s q row is `q_of(h)` and its
+/// result goes to `out_of(h)` (called once per head). Heads that share a KV head run as one
+/// group (up to `MAX_GROUP`), so each key and value row is widened once for all of them.
+/// `last` is the KV head this thread read last (its rows are warm; a new one is prefetched).
+pub(crate) fn run_heads<'q>(
+    job: &HeadsJob<'_>,
+    heads: std::ops::Range<usize>,
+    q_of: impl Fn(usize) -> &'q [f32],
+    out_of: impl Fn(usize) -> &'q mut [f32],
+    last: &mut Option<(usize, usize)>,
+) {
+    let (hd, group) = (job.shape.head_dim, job.group);
+    SCRATCH.with_borrow_mut(|scratch| {
+        if scratch.first().is_some_and(|s| s.q16.len() != hd) {
+            scratch.clear();
+        }
+        let (mut qrows, mut res) = (Vec::new(), Vec::new());
+        let mut h = heads.start;
+        while h < heads.end {
+            // The next heads that read the same KV head (a GQA group).
+            let g = h / group;
+            let end = heads.end.min((g + 1) * group).min(h + decode::MAX_GROUP);
+            let ng = end - h;
+            let off = g * hd;
+            let rows = (job.qa.block_table.as_ptr() as usize, off);
+            let cold = *last != Some(rows);
+            *last = Some(rows);
+            let fresh = job.fresh.map(|(g0, k, v)| {
+                let at = (g - g0) * hd..(g - g0 + 1) * hd;
+                Fresh {
+                    pos: job.qa.pos as usize,
+                    k: &k[at.clone()],
+                    v: &v[at],
                 }
-                run_units(&unit, &qrows, &view, &mut scratch[..ng], &mut res);
+            });
+            let view = KvView {
+                wide: job.wide.map(|seq| Heads {
+                    seq,
+                    kvd: job.kvd,
+                    off,
+                    hd,
+                }),
+                paged: Paged {
+                    k: job.kv.0,
+                    v: job.kv.1,
+                    table: job.qa.block_table,
+                    bs: job.bs,
+                    kvd: job.kvd,
+                    off,
+                    hd,
+                    cold,
+                    fresh,
+                },
+            };
+            qrows.clear();
+            qrows.extend((h..end).map(&q_of));
+            res.clear();
+            res.extend((h..end).map(&out_of));
+            let unit = Unit {
+                path: job.path,
+                lo: job.qa.lo as usize,
+                pos: job.qa.pos as usize,
+                scale: job.shape.scale,
+                isa: job.isa,
+            };
+            while scratch.len() < ng {
+                scratch.push(Scratch::new(hd));
             }
-        });
+            run_units(&unit, &qrows, &view, &mut scratch[..ng], &mut res);
+            h = end;
+        }
     });
 }
 

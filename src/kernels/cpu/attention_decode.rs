@@ -660,6 +660,7 @@ mod tests {
             off: hd,
             hd,
             cold,
+            fresh: None,
         }
     }
 

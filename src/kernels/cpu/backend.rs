@@ -12,6 +12,7 @@ use half::slice::HalfFloatSliceExt;
 use crate::format::{GgmlType, Gguf};
 use crate::kernels::cpu::attention;
 use crate::kernels::cpu::attention_f32::{self, KvF32};
+use crate::kernels::cpu::attn_block;
 use crate::kernels::cpu::ffn;
 use crate::kernels::cpu::hugebuf::{Arena, Region};
 use crate::kernels::cpu::kv_plane::KvPlane;
@@ -25,7 +26,8 @@ use crate::kernels::cpu::q6k_x4;
 use crate::kernels::cpu::q8_0_x16;
 use crate::kernels::cpu::rope::RopeTables;
 use crate::model::backend::{
-    ffn_dense_steps, AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+    attention_block_steps, ffn_dense_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch,
+    AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -484,6 +486,26 @@ impl Backend for CpuBackend {
         for (i, &slot) in slots.iter().enumerate() {
             kv.k[layer][slot * d..(slot + 1) * d].convert_from_f32_slice(k.row(i));
             kv.v[layer][slot * d..(slot + 1) * d].convert_from_f32_slice(v.row(i));
+        }
+    }
+
+    fn attention_block(
+        &self,
+        h: &CpuAct,
+        blk: &AttnBlock<'_, Self>,
+        kv: &mut CpuKv,
+        layer: usize,
+        batch: &AttnBatch<'_, '_>,
+        s: AttnScratch<'_, Self>,
+        out: &mut CpuAct,
+    ) {
+        let (r, ff) = (blk.rope, blk.rope_freqs.map(Vec::as_slice));
+        let rope = || {
+            self.rope_tables
+                .get(&self.pool, batch.positions, r.base, r.head_dim, ff)
+        };
+        if let Err(s) = attn_block::decode(&self.pool, h, blk, kv, layer, batch, s, &rope, out) {
+            attention_block_steps(self, h, blk, kv, layer, batch, s, out);
         }
     }
 

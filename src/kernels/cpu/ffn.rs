@@ -23,8 +23,9 @@ use crate::kernels::cpu::{ops, SharedMut};
 use crate::model::config::Activation;
 
 thread_local! {
-    /// [`decode`]'s quantized GLU row, for the down projection (`XQ` holds its input then).
-    static XQ_DOWN: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// [`decode`]'s quantized GLU row, for the down projection (`XQ` holds its input then); the
+    /// attention row for `wo` in `attn_block`.
+    pub(super) static XQ_DOWN: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The dense feed-forward of one activation row, `out = (act(h·Gᵀ) * (h·Uᵀ)) · Dᵀ`, in
@@ -141,7 +142,7 @@ pub fn decode(
 /// itself done: the last of that block's threads to finish quantizes it. No thread waits on
 /// another, so this is safe in a pool region even when the caller runs a late worker's part
 /// after its own.
-struct PartsQuantizer<'a> {
+pub(super) struct PartsQuantizer<'a> {
     quantize: Quantizer,
     elems: usize,
     blk_bytes: usize,
@@ -154,7 +155,7 @@ struct PartsQuantizer<'a> {
 
 impl<'a> PartsQuantizer<'a> {
     /// `src` holds `*cuts.last()` values (whole blocks of `elems`), `dst` their quantized bytes.
-    fn new(
+    pub(super) fn new(
         quantize: Quantizer,
         elems: usize,
         cuts: &'a [usize],
@@ -181,7 +182,7 @@ impl<'a> PartsQuantizer<'a> {
     /// # Safety
     /// Values `cuts[t]..cuts[t + 1]` of `src` are written and no thread writes them again while
     /// this quantizer lives; each `t` calls this once; `src` and `dst` outlive the quantizer.
-    unsafe fn part_done(&self, t: usize) {
+    pub(super) unsafe fn part_done(&self, t: usize) {
         use std::sync::atomic::Ordering;
         let (r0, r1, e) = (self.cuts[t], self.cuts[t + 1], self.elems);
         if r0 == r1 {
@@ -221,11 +222,11 @@ impl<'a> PartsQuantizer<'a> {
 }
 
 /// An activation quantizer: whole blocks of floats into their bytes.
-type Quantizer = fn(&[f32], &mut [u8]);
+pub(super) type Quantizer = fn(&[f32], &mut [u8]);
 
 /// The AVX-512 quantizer of `w`'s activation format and its block length, where there is one.
 #[cfg(target_arch = "x86_64")]
-fn avx512_quantizer(w: GgmlType) -> Option<(Quantizer, usize)> {
+pub(super) fn avx512_quantizer(w: GgmlType) -> Option<(Quantizer, usize)> {
     use simd::avx512::quantize::{quantize_row_q8_0, quantize_row_q8k};
     if simd::current() < simd::Level::Avx512 {
         return None;
@@ -235,6 +236,12 @@ fn avx512_quantizer(w: GgmlType) -> Option<(Quantizer, usize)> {
         GgmlType::Q8_0 => Some((quantize_row_q8_0, 32)),
         _ => None,
     }
+}
+
+/// No AVX-512 quantizer off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn avx512_quantizer(_: GgmlType) -> Option<(Quantizer, usize)> {
+    None
 }
 
 #[cfg(test)]

@@ -590,9 +590,19 @@ pub(crate) mod tests {
         specs: &[(GgmlType, usize)],
         cols: usize,
     ) -> (crate::kernels::cpu::backend::CpuBackend, Vec<CpuWeight>) {
+        let be = crate::kernels::cpu::backend::CpuBackend::new(2);
+        let ws = test_weights_on(&be, specs, cols);
+        (be, ws)
+    }
+
+    /// [`test_weights`] loaded by any backend.
+    pub(crate) fn test_weights_on<B: crate::model::backend::Backend>(
+        be: &B,
+        specs: &[(GgmlType, usize)],
+        cols: usize,
+    ) -> Vec<B::Weight> {
         use crate::format::{writer::GgufWriter, Gguf};
-        use crate::kernels::cpu::backend::CpuBackend;
-        use crate::model::backend::{Backend, WeightSource};
+        use crate::model::backend::WeightSource;
         use std::sync::Arc;
         let mut wr = GgufWriter::new();
         for (i, &(ty, rows)) in specs.iter().enumerate() {
@@ -606,8 +616,7 @@ pub(crate) mod tests {
                 .unwrap();
         }
         let g = Arc::new(Gguf::from_bytes(wr.to_bytes()).unwrap());
-        let be = CpuBackend::new(2);
-        let ws = specs
+        specs
             .iter()
             .enumerate()
             .map(|(i, &(ty, rows))| {
@@ -623,8 +632,7 @@ pub(crate) mod tests {
                 })
                 .unwrap()
             })
-            .collect();
-        (be, ws)
+            .collect()
     }
 
     pub(crate) fn same_bits(a: &[f32], b: &[f32]) -> bool {

@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod attention_f32;
+pub(crate) mod attn_block;
 pub mod backend;
 pub mod chain;
 pub mod ffn;

@@ -13,7 +13,8 @@ use anyhow::Result;
 use super::backend::{CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight};
 use crate::kernels::cpu::backend::{CpuAct, CpuBackend, CpuKv, CpuWeight};
 use crate::model::backend::{
-    AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+    attention_block_steps, ffn_dense_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch,
+    AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -339,6 +340,78 @@ impl Backend for DeviceBackend {
         }
     }
 
+    fn ffn_dense(
+        &self,
+        h: &DevAct,
+        ws: (&DevWeight, &DevWeight, &DevWeight),
+        act: Activation,
+        gate: &mut DevAct,
+        up: &mut DevAct,
+        out: &mut DevAct,
+    ) {
+        // The CPU backend's fused decode regions when the layer is on the CPU.
+        if let (DevWeight::Cpu(g), DevWeight::Cpu(u), DevWeight::Cpu(d)) = ws {
+            let (h, gate, up) = (self.to_cpu(h), self.out_cpu(gate), self.out_cpu(up));
+            return self
+                .cpu
+                .ffn_dense(&h, (g, u, d), act, gate, up, self.out_cpu(out));
+        }
+        ffn_dense_steps(self, h, ws, act, gate, up, out)
+    }
+
+    fn attention_block(
+        &self,
+        h: &DevAct,
+        blk: &AttnBlock<'_, Self>,
+        kv: &mut DevKv,
+        layer: usize,
+        batch: &AttnBatch<'_, '_>,
+        s: AttnScratch<'_, Self>,
+        out: &mut DevAct,
+    ) {
+        // The CPU backend's fused decode region when the layer is on the CPU.
+        fn cpu(w: &DevWeight) -> Option<&CpuWeight> {
+            match w {
+                DevWeight::Cpu(w) => Some(w),
+                DevWeight::Cuda(_) => None,
+            }
+        }
+        fn host(v: Option<&DevVec>) -> Option<&Vec<f32>> {
+            v.map(|v| &v.host)
+        }
+        let ws = (cpu(blk.wq), cpu(blk.wk), cpu(blk.wv), cpu(blk.wo));
+        if let ((Some(wq), Some(wk), Some(wv), Some(wo)), false, Some(c)) =
+            (ws, layer < self.gpu_layers, &mut kv.cpu)
+        {
+            let b = AttnBlock::<CpuBackend> {
+                wq,
+                wk,
+                wv,
+                bq: host(blk.bq),
+                bk: host(blk.bk),
+                bv: host(blk.bv),
+                q_norm: host(blk.q_norm),
+                k_norm: host(blk.k_norm),
+                norm_eps: blk.norm_eps,
+                rope: blk.rope,
+                rope_freqs: host(blk.rope_freqs),
+                q_scale: blk.q_scale,
+                wo,
+            };
+            let h = self.to_cpu(h);
+            let s = AttnScratch {
+                q: self.out_cpu(s.q),
+                k: self.out_cpu(s.k),
+                v: self.out_cpu(s.v),
+                attn: self.out_cpu(s.attn),
+            };
+            return self
+                .cpu
+                .attention_block(&h, &b, c, layer, batch, s, self.out_cpu(out));
+        }
+        attention_block_steps(self, h, blk, kv, layer, batch, s, out)
+    }
+
     fn kv_write(&self, kv: &mut DevKv, layer: usize, k: &DevAct, v: &DevAct, slots: &[usize]) {
         match (layer < self.gpu_layers, &mut kv.cuda, &mut kv.cpu) {
             (true, Some(c), _) => {
@@ -409,5 +482,16 @@ impl Backend for DeviceBackend {
             DevAct::Cpu(x) => x.data,
             DevAct::Cuda(x) => self.gpu().to_host(&x),
         }
+    }
+
+    fn act_for_overwrite(&self, rows: usize, cols: usize) -> DevAct {
+        match self.on_gpu(Some(0)) {
+            true => DevAct::Cuda(self.gpu().act(rows, cols)),
+            false => DevAct::Cpu(self.cpu.act_for_overwrite(rows, cols)),
+        }
+    }
+
+    fn recycle(&self, host: Vec<f32>) {
+        self.cpu.recycle(host);
     }
 }
