@@ -221,6 +221,26 @@ mod tests {
         kv
     }
 
+    /// Runs `f` on fresh scratch rows (`qd` wide for q and the attention row, `kvd` for k and v)
+    /// and an `n_embd`-wide output row, which it returns.
+    pub(super) fn with_scratch<B: Backend>(
+        be: &B,
+        (qd, kvd, n_embd): (usize, usize, usize),
+        f: impl FnOnce(AttnScratch<'_, B>, &mut B::Act),
+    ) -> B::Act {
+        let (mut q, mut k, mut v, mut a) =
+            (be.act(1, qd), be.act(1, kvd), be.act(1, kvd), be.act(1, qd));
+        let s = AttnScratch {
+            q: &mut q,
+            k: &mut k,
+            v: &mut v,
+            attn: &mut a,
+        };
+        let mut out = be.act(1, n_embd);
+        f(s, &mut out);
+        out
+    }
+
     /// The fused decode region gives what `attention_block`'s steps give, bit for bit: the sublayer's output and the cache it leaves. Q/K/V types with
     /// both activation formats (Q4_K/Q6_K as Qwen2.5's, Q5_0/Q8_0 as Gemma-3's), with and
     /// without biases, q/k norms and q pre-scaling, one and two KV heads per thread, before and
@@ -296,28 +316,21 @@ mod tests {
                         h.data.copy_from_slice(&data(n_embd, 40 + pos as u32));
                         let run = |fused: bool| {
                             let mut kv = cache(&be, kvd, pos, &table);
-                            let (mut q, mut k, mut v, mut a) =
-                                (be.act(1, qd), be.act(1, kvd), be.act(1, kvd), be.act(1, qd));
-                            let s = AttnScratch {
-                                q: &mut q,
-                                k: &mut k,
-                                v: &mut v,
-                                attn: &mut a,
-                            };
-                            let mut out = be.act(1, n_embd);
-                            if fused {
-                                let tables = RopeTables::default();
-                                let rope =
-                                    || tables.get(&be.pool, &[pos as u32], 10000.0, hd, None);
-                                let r = super::decode(
-                                    &be.pool, &h, &blk, &mut kv, 0, &batch, s, &rope, &mut out,
-                                );
-                                assert!(r.is_ok(), "the fused region applies");
-                            } else {
-                                attention_block_steps(
-                                    &be, &h, &blk, &mut kv, 0, &batch, s, &mut out,
-                                );
-                            }
+                            let out = with_scratch(&be, (qd, kvd, n_embd), |s, out| {
+                                if fused {
+                                    let tables = RopeTables::default();
+                                    let rope =
+                                        || tables.get(&be.pool, &[pos as u32], 10000.0, hd, None);
+                                    let r = super::decode(
+                                        &be.pool, &h, &blk, &mut kv, 0, &batch, s, &rope, out,
+                                    );
+                                    assert!(r.is_ok(), "the fused region applies");
+                                } else {
+                                    attention_block_steps(
+                                        &be, &h, &blk, &mut kv, 0, &batch, s, out,
+                                    );
+                                }
+                            });
                             (out.data, kv.k[0].to_vec(), kv.v[0].to_vec())
                         };
                         let (want, got) = (run(false), run(true));
@@ -340,7 +353,7 @@ mod device_tests {
     use crate::kernels::cpu::test_floats as data;
     use crate::kernels::cuda::device::{DevAct, DeviceBackend};
     use crate::model::backend::{
-        AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend, KvType, Rope,
+        AttnBatch, AttnBlock, AttnQuery, AttnShape, Backend, KvType, Rope,
     };
     use crate::model::config::{Activation, RopeStyle};
 
@@ -400,16 +413,9 @@ mod device_tests {
             },
         };
         let h = act(&data(n_embd, 9), n_embd);
-        let (mut q, mut k, mut v, mut a) =
-            (be.act(1, qd), be.act(1, kvd), be.act(1, kvd), be.act(1, qd));
-        let s = AttnScratch {
-            q: &mut q,
-            k: &mut k,
-            v: &mut v,
-            attn: &mut a,
-        };
-        let mut out = be.act(1, n_embd);
-        be.attention_block(&h, &blk, &mut kv, 0, &batch, s, &mut out);
+        let out = super::tests::with_scratch(be, (qd, kvd, n_embd), |s, out| {
+            be.attention_block(&h, &blk, &mut kv, 0, &batch, s, out)
+        });
         let (mut g, mut u, mut o) = (be.act(1, ff), be.act(1, ff), be.act(1, n_embd));
         let ws = (&mlp[0], &mlp[1], &down[0]);
         be.ffn_dense(&out, ws, Activation::Silu, &mut g, &mut u, &mut o);
