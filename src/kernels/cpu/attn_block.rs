@@ -21,7 +21,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use crate::kernels::cpu::attention::{run_heads, HeadsJob};
-use crate::kernels::cpu::backend::{CpuAct, CpuKv, CpuWeight};
+use crate::kernels::cpu::backend::{CpuAct, CpuBackend, CpuKv, CpuWeight};
 use crate::kernels::cpu::chain;
 use crate::kernels::cpu::ffn::{avx512_quantizer, PartsQuantizer, XQ_DOWN};
 use crate::kernels::cpu::matmul::{decode_many, decode_rows_of, packed_for_decode, DECODE_UNIT};
@@ -30,8 +30,6 @@ use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::{ops, SharedMut};
 use crate::model::backend::{AttnBatch, AttnBlock, AttnScratch};
 use crate::quant::{activation_row_bytes, vec_dot_type};
-
-use super::backend::CpuBackend;
 
 thread_local! {
     /// The step's new K then V rows in f16 (`2 * kv_dim`), stored into the cache after the region.
@@ -194,6 +192,7 @@ mod tests {
     use crate::format::GgmlType;
     use crate::kernels::cpu::backend::CpuBackend;
     use crate::kernels::cpu::matmul::tests::{same_bits, test_weights};
+    use crate::kernels::cpu::pool::ThreadPool;
     use crate::kernels::cpu::rope::RopeTables;
     use crate::kernels::cpu::test_floats as data;
     use crate::model::backend::{
@@ -241,13 +240,16 @@ mod tests {
         out
     }
 
-    /// The fused decode region gives what `attention_block`'s steps give, bit for bit: the sublayer's output and the cache it leaves. Q/K/V types with
-    /// both activation formats (Q4_K/Q6_K as Qwen2.5's, Q5_0/Q8_0 as Gemma-3's), with and
-    /// without biases, q/k norms and q pre-scaling, one and two KV heads per thread, before and
-    /// past the split-KV kernel's 512 cells, and a `wo` quantization block cut between threads.
+    /// The fused decode region gives what `attention_block`'s steps give, bit for bit: the
+    /// sublayer's output and the cache it leaves. Q/K/V types with both activation formats
+    /// (Q4_K/Q6_K as Qwen2.5's, Q5_0/Q8_0 as Gemma-3's), with and without biases, q/k norms and
+    /// q pre-scaling, one, two and four threads (up to four KV heads each), before and past the
+    /// split-KV kernel's 512 cells, with and without a window, and a `wo` quantization block cut
+    /// between threads.
     #[test]
     fn attention_block_equals_its_steps() {
         let (hd, n_embd) = (64, 256);
+        let pools = [1, 2, 4].map(ThreadPool::new);
         for (nh, nkv) in [(4, 2), (8, 4), (12, 2)] {
             let (qd, kvd) = (nh * hd, nkv * hd);
             for [tq, tk, tv, to] in [
@@ -314,15 +316,17 @@ mod tests {
                         };
                         let mut h = be.act(1, n_embd);
                         h.data.copy_from_slice(&data(n_embd, 40 + pos as u32));
-                        let run = |fused: bool| {
+                        // The steps (no pool), then the fused region on pools of 1, 2 and 4
+                        // threads (4 only where each takes whole KV heads).
+                        let run = |pool: Option<&ThreadPool>| {
                             let mut kv = cache(&be, kvd, pos, &table);
                             let out = with_scratch(&be, (qd, kvd, n_embd), |s, out| {
-                                if fused {
+                                if let Some(pool) = pool {
                                     let tables = RopeTables::default();
                                     let rope =
-                                        || tables.get(&be.pool, &[pos as u32], 10000.0, hd, None);
+                                        || tables.get(pool, &[pos as u32], 10000.0, hd, None);
                                     let r = super::decode(
-                                        &be.pool, &h, &blk, &mut kv, 0, &batch, s, &rope, out,
+                                        pool, &h, &blk, &mut kv, 0, &batch, s, &rope, out,
                                     );
                                     assert!(r.is_ok(), "the fused region applies");
                                 } else {
@@ -333,11 +337,19 @@ mod tests {
                             });
                             (out.data, kv.k[0].to_vec(), kv.v[0].to_vec())
                         };
-                        let (want, got) = (run(false), run(true));
-                        let case =
-                            format!("{nh}/{nkv} heads, {tq:?}/{to:?}, extras {extras}, pos {pos}");
-                        assert!(same_bits(&want.0, &got.0), "{case}: output");
-                        assert!(want.1 == got.1 && want.2 == got.2, "{case}: cache");
+                        let want = run(None);
+                        for pool in &pools {
+                            let n = pool.n_threads();
+                            if !nkv.is_multiple_of(n) {
+                                continue;
+                            }
+                            let got = run(Some(pool));
+                            let case = format!(
+                                "{nh}/{nkv} heads, {tq:?}/{to:?}, extras {extras}, pos {pos}, {n} threads"
+                            );
+                            assert!(same_bits(&want.0, &got.0), "{case}: output");
+                            assert!(want.1 == got.1 && want.2 == got.2, "{case}: cache");
+                        }
                     }
                 }
             }
