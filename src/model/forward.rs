@@ -115,11 +115,6 @@ impl<B: Backend> Model<B> {
                     cfg.attn_scale
                 },
             };
-            let rope = Rope {
-                style: cfg.rope_style,
-                base: lc.rope_base,
-                head_dim: cfg.head_dim,
-            };
             match (&lw.attn, &cfg.mla) {
                 (Attn::Mha(a), None) => {
                     let blk = AttnBlock {
@@ -132,7 +127,11 @@ impl<B: Backend> Model<B> {
                         q_norm: a.q_norm.as_ref(),
                         k_norm: a.k_norm.as_ref(),
                         norm_eps: cfg.norm_eps,
-                        rope,
+                        rope: Rope {
+                            style: cfg.rope_style,
+                            base: lc.rope_base,
+                            head_dim: cfg.head_dim,
+                        },
                         rope_freqs: w.rope_freqs.as_ref(),
                         q_scale: cfg.scale_q_first.then_some(cfg.attn_scale),
                         wo: &lw.wo,

@@ -514,7 +514,6 @@ pub(crate) fn run_heads<'q>(
         if scratch.first().is_some_and(|s| s.q16.len() != hd) {
             scratch.clear();
         }
-        let (mut qrows, mut res) = (Vec::new(), Vec::new());
         let mut h = heads.start;
         while h < heads.end {
             // The next heads that read the same KV head (a GQA group).
@@ -552,10 +551,11 @@ pub(crate) fn run_heads<'q>(
                     fresh,
                 },
             };
-            qrows.clear();
-            qrows.extend((h..end).map(&q_of));
-            res.clear();
-            res.extend((h..end).map(&out_of));
+            // The group's rows in fixed arrays (no allocation per group), `ng` of them used.
+            let qrows: [&[f32]; decode::MAX_GROUP] =
+                std::array::from_fn(|i| if i < ng { q_of(h + i) } else { &[] });
+            let mut res: [&mut [f32]; decode::MAX_GROUP] =
+                std::array::from_fn(|i| if i < ng { out_of(h + i) } else { &mut [] });
             let unit = Unit {
                 path: job.path,
                 lo: job.qa.lo as usize,
@@ -566,7 +566,13 @@ pub(crate) fn run_heads<'q>(
             while scratch.len() < ng {
                 scratch.push(Scratch::new(hd));
             }
-            run_units(&unit, &qrows, &view, &mut scratch[..ng], &mut res);
+            run_units(
+                &unit,
+                &qrows[..ng],
+                &view,
+                &mut scratch[..ng],
+                &mut res[..ng],
+            );
             h = end;
         }
     });

@@ -26,7 +26,6 @@ use crate::kernels::cpu::chain;
 use crate::kernels::cpu::ffn::{avx512_quantizer, PartsQuantizer, XQ_DOWN};
 use crate::kernels::cpu::matmul::{decode_many, decode_rows_of, packed_for_decode, DECODE_UNIT};
 use crate::kernels::cpu::matmul::{quantize_rows, XQ};
-use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::{ops, SharedMut};
 use crate::model::backend::{AttnBatch, AttnBlock, AttnScratch};
 use crate::quant::{activation_row_bytes, vec_dot_type};
@@ -39,19 +38,19 @@ thread_local! {
 /// Runs the sublayer fused where it applies: one query row, the f16 cache, whole KV heads per
 /// thread (`n_head_kv` a multiple of the thread count), Q/K/V taking one activation format, head
 /// rows in whole decode units, an AVX-512 quantizer for `wo`. Elsewhere it gives the scratch rows
-/// back untouched, having done nothing. `rope` is the cos/sin table of the row's position.
+/// back untouched, having done nothing.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn decode<'a>(
-    pool: &ThreadPool,
+    be: &CpuBackend,
     h: &CpuAct,
     blk: &AttnBlock<'_, CpuBackend>,
     kv: &mut CpuKv,
     layer: usize,
     batch: &AttnBatch<'_, '_>,
     s: AttnScratch<'a, CpuBackend>,
-    rope: &dyn Fn() -> std::sync::Arc<Vec<f32>>,
     out: &mut CpuAct,
 ) -> Result<(), AttnScratch<'a, CpuBackend>> {
+    let pool = &be.pool;
     let sh = batch.shape;
     let (hd, nh, nkv) = (sh.head_dim, sh.n_head, sh.n_head_kv);
     let threads = pool.n_threads();
@@ -85,7 +84,10 @@ pub(crate) fn decode<'a>(
     assert_eq!((out.rows, out.cols), (1, wo.rows), "matmul output shape");
     let group = nh / nkv;
     let (qa, slot) = (&batch.queries[0], batch.slots[0]);
-    let table = rope();
+    let ff = blk.rope_freqs.map(Vec::as_slice);
+    let table = be
+        .rope_tables
+        .get(pool, batch.positions, blk.rope.base, hd, ff);
     let cos_sin = &table[..hd];
     let packed = [wq, wk, wv].map(|w| packed_for_decode(pool, w));
     // Thread t's KV heads kh(t)..kh(t + 1); its query rows are their heads' rows.
@@ -192,8 +194,6 @@ mod tests {
     use crate::format::GgmlType;
     use crate::kernels::cpu::backend::CpuBackend;
     use crate::kernels::cpu::matmul::tests::{same_bits, test_weights};
-    use crate::kernels::cpu::pool::ThreadPool;
-    use crate::kernels::cpu::rope::RopeTables;
     use crate::kernels::cpu::test_floats as data;
     use crate::model::backend::{
         attention_block_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend,
@@ -249,7 +249,7 @@ mod tests {
     #[test]
     fn attention_block_equals_its_steps() {
         let (hd, n_embd) = (64, 256);
-        let pools = [1, 2, 4].map(ThreadPool::new);
+        let fused = [1, 2, 4].map(CpuBackend::new);
         for (nh, nkv) in [(4, 2), (8, 4), (12, 2)] {
             let (qd, kvd) = (nh * hd, nkv * hd);
             for [tq, tk, tv, to] in [
@@ -316,18 +316,13 @@ mod tests {
                         };
                         let mut h = be.act(1, n_embd);
                         h.data.copy_from_slice(&data(n_embd, 40 + pos as u32));
-                        // The steps (no pool), then the fused region on pools of 1, 2 and 4
-                        // threads (4 only where each takes whole KV heads).
-                        let run = |pool: Option<&ThreadPool>| {
+                        // The steps, then the fused region on backends of 1, 2 and 4 threads
+                        // (4 only where each takes whole KV heads).
+                        let run = |fb: Option<&CpuBackend>| {
                             let mut kv = cache(&be, kvd, pos, &table);
                             let out = with_scratch(&be, (qd, kvd, n_embd), |s, out| {
-                                if let Some(pool) = pool {
-                                    let tables = RopeTables::default();
-                                    let rope =
-                                        || tables.get(pool, &[pos as u32], 10000.0, hd, None);
-                                    let r = super::decode(
-                                        pool, &h, &blk, &mut kv, 0, &batch, s, &rope, out,
-                                    );
+                                if let Some(fb) = fb {
+                                    let r = super::decode(fb, &h, &blk, &mut kv, 0, &batch, s, out);
                                     assert!(r.is_ok(), "the fused region applies");
                                 } else {
                                     attention_block_steps(
@@ -338,12 +333,12 @@ mod tests {
                             (out.data, kv.k[0].to_vec(), kv.v[0].to_vec())
                         };
                         let want = run(None);
-                        for pool in &pools {
-                            let n = pool.n_threads();
+                        for fb in &fused {
+                            let n = fb.pool.n_threads();
                             if !nkv.is_multiple_of(n) {
                                 continue;
                             }
-                            let got = run(Some(pool));
+                            let got = run(Some(fb));
                             let case = format!(
                                 "{nh}/{nkv} heads, {tq:?}/{to:?}, extras {extras}, pos {pos}, {n} threads"
                             );

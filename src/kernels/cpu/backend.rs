@@ -184,7 +184,7 @@ pub struct CpuBackend {
     /// The huge-page slabs that hold the weights' packed and plain copies.
     arena: Arc<Arena>,
     /// RoPE cos/sin tables shared by the layers of a pass.
-    rope_tables: RopeTables,
+    pub(super) rope_tables: RopeTables,
     /// Vectors given back by `recycle`, for `act_for_overwrite` (at most [`SPARE_BUFFERS`]).
     spare: Mutex<Vec<Vec<f32>>>,
 }
@@ -499,12 +499,7 @@ impl Backend for CpuBackend {
         s: AttnScratch<'_, Self>,
         out: &mut CpuAct,
     ) {
-        let (r, ff) = (blk.rope, blk.rope_freqs.map(Vec::as_slice));
-        let rope = || {
-            self.rope_tables
-                .get(&self.pool, batch.positions, r.base, r.head_dim, ff)
-        };
-        if let Err(s) = attn_block::decode(&self.pool, h, blk, kv, layer, batch, s, &rope, out) {
+        if let Err(s) = attn_block::decode(self, h, blk, kv, layer, batch, s, out) {
             attention_block_steps(self, h, blk, kv, layer, batch, s, out);
         }
     }
