@@ -104,7 +104,7 @@ pub(crate) fn decode<'a>(
             quantize_rows(pool, wq.ty, h, a_bytes, xq);
             XQ_DOWN.with_borrow_mut(|xo| {
                 xo.resize(o_bytes, 0);
-                let parts = PartsQuantizer::new(quantize, elems, &q_cuts, ptrs[3], xo);
+                let parts = PartsQuantizer::new(quantize, elems, qd, ptrs[3], xo);
                 // Each thread starts on its Q rows; each worker, once done, prefetches its first
                 // bytes of the next region (`wo`'s; module `chain`).
                 let base = packed[0].unwrap_or_else(|| wq.bytes()).as_ptr() as usize;
@@ -172,7 +172,7 @@ pub(crate) fn decode<'a>(
                         );
                         // SAFETY: this thread's part q0..q1 of the attention row is written and
                         // not written again in this region.
-                        unsafe { parts.part_done(t) };
+                        unsafe { parts.done(q0, q1) };
                     },
                     &after,
                 );

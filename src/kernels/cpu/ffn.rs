@@ -6,7 +6,10 @@
 //! sit on different chiplets every value one writes and the other reads crosses between them. Here
 //! each thread computes the same rows of both projections, one after the other, applies the GLU to
 //! them and quantizes them for the down projection ([`PartsQuantizer`]), so the GLU values stay
-//! where they were computed and the down projection starts right after.
+//! where they were computed and the down projection starts right after. A large region (Qwen2.5's
+//! 15 MB) shares its rows as every large decode region does ([`Split`]): a thread done with its
+//! own rows takes rows from the end of the other's, since one core may read slower than the
+//! other for a while.
 //!
 //! Invariant: every value is what `matmul_many`, `ops::glu` and `matmul` compute (each is an
 //! element-wise or per-block operation, run on a part), which the tests check bit for bit.
@@ -15,12 +18,15 @@ use crate::format::GgmlType;
 use crate::kernels::cpu::backend::{CpuAct, CpuWeight};
 use crate::kernels::cpu::chain;
 use crate::kernels::cpu::matmul::{
-    decode_many, decode_rows_of, packed_for_decode, quantize_rows, DECODE_UNIT, XQ,
+    decode_many, decode_rows_of, packed_for_decode, quantize_rows, region_shares, split_min_units,
+    DECODE_UNIT, XQ,
 };
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::simd;
+use crate::kernels::cpu::split::Split;
 use crate::kernels::cpu::{ops, SharedMut};
 use crate::model::config::Activation;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 thread_local! {
     /// [`decode`]'s quantized GLU row, for the down projection (`XQ` holds its input then); the
@@ -77,12 +83,15 @@ pub fn decode(
         let d_bytes = crate::quant::activation_row_bytes(crate::quant::vec_dot_type(down_w.ty), ff)
             .expect("whole blocks");
         let packed = [gate_w, up_w].map(|w| packed_for_decode(pool, w));
-        // Thread t's rows: units cuts[t]..cuts[t + 1] of DECODE_UNIT rows, evenly.
+        // Thread t owns units ucuts[t]..ucuts[t + 1] of DECODE_UNIT rows, evenly; in a region
+        // large enough (`region_shares`) it shares them as a `Split` does, a thread done with its
+        // own taking chunks from the end of another's.
         let n = pool.n_threads();
         let units = ff.div_ceil(DECODE_UNIT);
-        let cuts: Vec<usize> = (0..=n)
-            .map(|t| (units * t / n * DECODE_UNIT).min(ff))
-            .collect();
+        let ucuts: Vec<usize> = (0..=n).map(|t| units * t / n).collect();
+        let row = |u: usize| (u * DECODE_UNIT).min(ff);
+        let shares = region_shares(2 * ff * gate_w.row_bytes);
+        let split = Split::new(&ucuts, split_min_units(2 * DECODE_UNIT * gate_w.row_bytes));
         XQ.with_borrow_mut(|xq| {
             quantize_rows(pool, gate_w.ty, h, a_bytes, xq);
             XQ_DOWN.with_borrow_mut(|xd| {
@@ -91,36 +100,41 @@ pub fn decode(
                     SharedMut(gate.data.as_mut_ptr()),
                     SharedMut(up.data.as_mut_ptr()),
                 );
-                let parts = PartsQuantizer::new(quantize, elems, &cuts, g, xd);
+                let parts = PartsQuantizer::new(quantize, elems, ff, g, xd);
                 // Each thread starts on its gate rows; each worker, once done, prefetches its
                 // first bytes of the next region (the down projection; module `chain`).
                 let base = packed[0].unwrap_or_else(|| gate_w.bytes()).as_ptr() as usize;
                 let start = |t: usize| {
-                    let r = cuts[t];
+                    let r = row(ucuts[t]);
                     (base + r * gate_w.row_bytes, (ff - r) * gate_w.row_bytes)
                 };
                 let key = gate_w as *const CpuWeight as usize;
                 let after = chain::record(key, (0..n).map(start));
                 pool.broadcast_then_prefetch(
                     |t, _| {
-                        let (r0, r1) = (cuts[t], cuts[t + 1]);
-                        if r0 == r1 {
-                            return;
-                        }
-                        // SAFETY: rows r0..r1 of `gate` and `up` (ff values each) are this thread's
-                        // only; the pool joins before they are read elsewhere.
-                        let (gs, us) = unsafe {
-                            (
-                                std::slice::from_raw_parts_mut(g.ptr().add(r0), r1 - r0),
-                                std::slice::from_raw_parts_mut(u.ptr().add(r0), r1 - r0),
-                            )
+                        let chunk = |us: std::ops::Range<usize>| {
+                            let (r0, r1) = (row(us.start), row(us.end));
+                            // SAFETY: rows r0..r1 of `gate` and `up` (ff values each) are this
+                            // chunk's only (`Split` hands each unit out once); the pool joins
+                            // before they are read elsewhere.
+                            let (gs, ups) = unsafe {
+                                (
+                                    std::slice::from_raw_parts_mut(g.ptr().add(r0), r1 - r0),
+                                    std::slice::from_raw_parts_mut(u.ptr().add(r0), r1 - r0),
+                                )
+                            };
+                            decode_rows_of(gate_w, packed[0], xq, r0, gs);
+                            decode_rows_of(up_w, packed[1], xq, r0, ups);
+                            ops::glu(gs, ups, act);
+                            // SAFETY: rows r0..r1 of `gate` are written and not written again
+                            // in this region; no other chunk holds them.
+                            unsafe { parts.done(r0, r1) };
                         };
-                        decode_rows_of(gate_w, packed[0], xq, r0, gs);
-                        decode_rows_of(up_w, packed[1], xq, r0, us);
-                        ops::glu(gs, us, act);
-                        // SAFETY: this thread has written its part r0..r1 of `gate` and does not
-                        // touch it again in this region.
-                        unsafe { parts.part_done(t) };
+                        if !shares {
+                            chunk(ucuts[t]..ucuts[t + 1]);
+                        } else {
+                            split.run(t, chunk);
+                        }
                     },
                     &after,
                 );
@@ -136,33 +150,32 @@ pub fn decode(
     }
 }
 
-/// One activation row quantized by the pool's threads as they produce it in parts: thread `t`
-/// writes values `cuts[t]..cuts[t + 1]` of `src`, then calls [`PartsQuantizer::part_done`], which
-/// quantizes the blocks inside its part into `dst` and, for a block cut between parts, counts
-/// itself done: the last of that block's threads to finish quantizes it. No thread waits on
-/// another, so this is safe in a pool region even when the caller runs a late worker's part
-/// after its own.
-pub(super) struct PartsQuantizer<'a> {
+/// One activation row quantized by the pool's threads as they produce it in parts: a thread
+/// that has written values `r0..r1` of `src` calls [`PartsQuantizer::done`], which quantizes the
+/// blocks inside that range into `dst` and, for a block the range covers only in part, counts its
+/// values in: whichever thread completes a block quantizes it. No thread waits on another, so
+/// this is safe in a pool region whatever order the parts come in, however they are cut (a
+/// thread's fixed share, or the chunks a [`Split`] hands out), and when the caller runs a late
+/// worker's part after its own.
+pub(super) struct PartsQuantizer {
     quantize: Quantizer,
     elems: usize,
     blk_bytes: usize,
-    cuts: &'a [usize],
-    /// Per block: how many of its threads have finished their part of it.
-    done: Vec<std::sync::atomic::AtomicUsize>,
+    /// Per block: how many of its values have been reported written.
+    done: Vec<AtomicUsize>,
     src: SharedMut<f32>,
     dst: SharedMut<u8>,
 }
 
-impl<'a> PartsQuantizer<'a> {
-    /// `src` holds `*cuts.last()` values (whole blocks of `elems`), `dst` their quantized bytes.
+impl PartsQuantizer {
+    /// `src` holds `len` values (whole blocks of `elems`), `dst` their quantized bytes.
     pub(super) fn new(
         quantize: Quantizer,
         elems: usize,
-        cuts: &'a [usize],
+        len: usize,
         src: SharedMut<f32>,
         dst: &mut [u8],
-    ) -> PartsQuantizer<'a> {
-        let len = *cuts.last().expect("one cut at least");
+    ) -> PartsQuantizer {
         assert!(len.is_multiple_of(elems), "whole blocks");
         let nblk = len / elems;
         assert!(dst.len().is_multiple_of(nblk.max(1)), "bytes per block");
@@ -170,43 +183,29 @@ impl<'a> PartsQuantizer<'a> {
             quantize,
             elems,
             blk_bytes: dst.len() / nblk.max(1),
-            cuts,
-            done: (0..nblk).map(|_| Default::default()).collect(),
+            done: (0..nblk).map(|_| AtomicUsize::new(0)).collect(),
             src,
             dst: SharedMut(dst.as_mut_ptr()),
         }
     }
 
-    /// Thread `t`'s part of `src` is written: quantizes what it can (see the type).
+    /// Values `r0..r1` of `src` are written: quantizes every block this completes.
     ///
     /// # Safety
-    /// Values `cuts[t]..cuts[t + 1]` of `src` are written and no thread writes them again while
-    /// this quantizer lives; each `t` calls this once; `src` and `dst` outlive the quantizer.
-    pub(super) unsafe fn part_done(&self, t: usize) {
-        use std::sync::atomic::Ordering;
-        let (r0, r1, e) = (self.cuts[t], self.cuts[t + 1], self.elems);
-        if r0 == r1 {
-            return;
-        }
-        let sharing = |b: usize| {
-            let (lo, hi) = (b * e, (b + 1) * e);
-            // Parts that hold values of block b (an empty part holds none and never counts).
-            self.cuts
-                .windows(2)
-                .filter(|c| c[0] < c[1] && c[0] < hi && lo < c[1])
-                .count()
-        };
+    /// Values `r0..r1` of `src` are written and no thread writes them again while this quantizer
+    /// lives; the ranges reported are disjoint; `src` and `dst` outlive the quantizer.
+    pub(super) unsafe fn done(&self, r0: usize, r1: usize) {
+        let e = self.elems;
         for b in r0 / e..r1.div_ceil(e) {
-            let whole = b * e >= r0 && (b + 1) * e <= r1;
-            // A shared block: the AcqRel count makes the other threads' values visible to the
-            // last one, which quantizes it.
-            if !whole && self.done[b].fetch_add(1, Ordering::AcqRel) + 1 < sharing(b) {
+            let n = r1.min((b + 1) * e) - r0.max(b * e);
+            // A block in part: the AcqRel count makes the other threads' values of it visible
+            // to the thread whose values complete it, which quantizes it.
+            if n < e && self.done[b].fetch_add(n, Ordering::AcqRel) + n < e {
                 continue;
             }
-            // SAFETY: block b's values were all written (by this thread, or by the sharing
-            // threads that counted before it) and are not written again; its bytes of `dst` are
-            // written by this one thread only (a whole block has no other thread, a shared one
-            // one last thread).
+            // SAFETY: block b's values were all written (by this thread, or by the threads that
+            // counted theirs before it) and are not written again; its bytes of `dst` are
+            // written by this one thread only (the one whose values completed the block).
             let (x, q) = unsafe {
                 (
                     std::slice::from_raw_parts(self.src.ptr().add(b * e), e),
@@ -250,42 +249,66 @@ mod tests {
     use crate::kernels::cpu::matmul::tests::{same_bits, test_weights};
     use crate::kernels::cpu::test_floats as data;
 
-    /// Every block is quantized once, as a whole row's quantization gives it, whatever order the
-    /// parts finish in: blocks inside a part, blocks cut between two or more parts, and parts
-    /// left empty (more threads than units of rows, as `decode` cuts them).
+    /// Every block is quantized once, as a whole row's quantization gives it, only after all
+    /// its values are written, whatever order the parts come in and however they are cut: blocks
+    /// inside a part, blocks cut between two or more parts, parts of one unit and empty parts
+    /// (more threads than units of rows, as `decode` cuts them), in ascending, descending and
+    /// shuffled order. Each part's values are written just before it is reported (the rest of
+    /// the row holding NaN), as the threads write them.
     #[test]
     fn parts_quantize_every_block_once() {
+        static CALLS: AtomicUsize = AtomicUsize::new(0);
         let Some((quantize, elems)) = avx512_quantizer(GgmlType::Q4_0) else {
             return; // no AVX-512 quantizer on this CPU
         };
-        for (len, n) in [(32usize, 4usize), (64, 3), (256, 3), (1280, 2), (1280, 7)] {
+        fn counted(x: &[f32], q: &mut [u8]) {
+            CALLS.fetch_add(1, Ordering::Relaxed);
+            simd::avx512::quantize::quantize_row_q8_0(x, q);
+        }
+        for (len, n) in [
+            (32usize, 4usize),
+            (64, 3),
+            (256, 3),
+            (1280, 2),
+            (1280, 7),
+            (1280, 80),
+        ] {
             let src = data(len, len as u32);
             let blk = crate::quant::activation_row_bytes(GgmlType::Q8_0, elems).unwrap();
             let mut want = vec![0u8; len / elems * blk];
-            for (x, q) in src.chunks(elems).zip(want.chunks_mut(blk)) {
+            for (x, q) in src.chunks_exact(elems).zip(want.chunks_exact_mut(blk)) {
                 quantize(x, q);
             }
             let units = len.div_ceil(DECODE_UNIT);
             let cuts: Vec<usize> = (0..=n)
                 .map(|t| (units * t / n * DECODE_UNIT).min(len))
                 .collect();
-            for order in 0..n {
-                let mut got = vec![0u8; want.len()];
-                let mut s = src.clone();
-                let parts = PartsQuantizer::new(
-                    quantize,
-                    elems,
-                    &cuts,
-                    SharedMut(s.as_mut_ptr()),
-                    &mut got,
-                );
-                for k in 0..n {
-                    // SAFETY: the source is fully written before any part is reported, and each
-                    // part is reported once.
-                    unsafe { parts.part_done((k + order) % n) };
+            for order in 0..3 {
+                let mut parts: Vec<(usize, usize)> =
+                    cuts.windows(2).map(|c| (c[0], c[1])).collect();
+                match order {
+                    1 => parts.reverse(),
+                    2 => parts.sort_by_key(|&(a, _)| (a * 7919) % 101),
+                    _ => {}
                 }
-                drop(parts);
-                assert_eq!(got, want, "len {len} over {n} parts, order {order}");
+                let mut got = vec![0u8; want.len()];
+                let mut s = vec![f32::NAN; len];
+                let sp = SharedMut(s.as_mut_ptr());
+                let q = PartsQuantizer::new(counted, elems, len, sp, &mut got);
+                CALLS.store(0, Ordering::Relaxed);
+                for (r0, r1) in parts {
+                    // SAFETY: `s` outlives the quantizer and only this loop writes it, each
+                    // part's values once, before the part is reported; the parts are disjoint.
+                    unsafe {
+                        std::slice::from_raw_parts_mut(sp.ptr().add(r0), r1 - r0)
+                            .copy_from_slice(&src[r0..r1]);
+                        q.done(r0, r1);
+                    }
+                }
+                drop(q);
+                let case = format!("len {len} over {n} parts, order {order}");
+                assert_eq!(got, want, "{case}");
+                assert_eq!(CALLS.load(Ordering::Relaxed), len / elems, "{case}: calls");
             }
         }
     }
@@ -328,6 +351,41 @@ mod tests {
                         assert!(same_bits(&o1.data, &o2.data), "{case}: out");
                     }
                 }
+            }
+        }
+    }
+
+    /// A feed-forward large enough to share its rows between the threads (`region_shares`), on
+    /// pools of 2 and 4 threads, several times over (which thread takes which chunk varies from
+    /// run to run): still bit for bit what the steps give.
+    #[test]
+    fn ffn_dense_shared_region_equals_its_steps() {
+        use crate::kernels::cpu::backend::CpuBackend;
+        use crate::kernels::cpu::matmul::tests::test_weights_on;
+        use crate::model::backend::Backend;
+        let (cols, ff) = (1536, 2816);
+        for threads in [2, 4] {
+            let be = CpuBackend::new(threads);
+            let ws = test_weights_on(&be, &[(GgmlType::Q4K, ff), (GgmlType::Q4K, ff)], cols);
+            let downs = test_weights_on(&be, &[(GgmlType::Q4K, 64)], ff);
+            let (g, u, d) = (&ws[0], &ws[1], &downs[0]);
+            assert!(
+                region_shares(2 * ff * g.row_bytes),
+                "the shape shares its rows"
+            );
+            let mut h = be.act(1, cols);
+            h.data.copy_from_slice(&data(cols, 7));
+            let (mut g1, mut u1, mut o1) = (be.act(1, ff), be.act(1, ff), be.act(1, d.rows));
+            be.matmul_many(&h, &mut [(g, None, &mut g1), (u, None, &mut u1)]);
+            be.glu(&mut g1, &u1, Activation::Silu);
+            be.matmul(d, &g1, None, &mut o1);
+            for run in 0..8 {
+                let (mut g2, mut u2, mut o2) = (be.act(1, ff), be.act(1, ff), be.act(1, d.rows));
+                be.ffn_dense(&h, (g, u, d), Activation::Silu, &mut g2, &mut u2, &mut o2);
+                let case = format!("{threads} threads, run {run}");
+                assert!(same_bits(&g1.data, &g2.data), "{case}: gate");
+                assert!(same_bits(&u1.data, &u2.data), "{case}: up");
+                assert!(same_bits(&o1.data, &o2.data), "{case}: out");
             }
         }
     }

@@ -145,16 +145,34 @@ pub(super) struct Sharing {
     min_chunk: usize,
 }
 
-/// Regions of 16 MiB or more (output heads) through [`Split`], in chunks of 256 KiB or more.
-/// Alternated step by step in one process against the even split: Gemma-3 270M's step (a 178 MB
-/// head) 1.7-2.4% shorter while the bandwidth probe read 79-84 GB/s (three runs of 634-876
-/// pairs), 1.000-1.016 while it read 50-53; Qwen2.5-1.5B's 0.999-1.006. Applied to every region
-/// of 4 MB or more (Qwen's down projections too) it changed nothing (0.998-1.003), and to every
-/// region 0.999; chunks of 64 KiB or 1 MiB did as well as 256 KiB.
+/// Regions of 4 MiB or more through [`Split`], in chunks of 256 KiB or more: Qwen2.5-1.5B's
+/// gate/up (`ffn`) and down projections and the output heads, not the smaller regions (Gemma-3
+/// 270M's layers, `wo`), where the extra chunks cost more than balancing gains. On the
+/// development VM the two cores' read bandwidths differ in its high-bandwidth state, often by
+/// 15% and at times by 30% for a second or more (4 MB per core alternated with probe reads:
+/// 34.5 against 40.8 GB/s over 300 reads), so an even split waits on the slower core. Alternated
+/// step by step in one process against splitting only regions of 16 MiB or more (2026-11-26):
+/// Qwen2.5-1.5B's step 2.8% shorter by the median pair and 4.2% by the mean while the bandwidth
+/// probe read about 72 GB/s (960 pairs), 1.5% and 2.3% at 74 (961 pairs), and 0.996-0.997 by
+/// the median in the low state (539-540 pairs); every region split this way cost Gemma-3 270M
+/// 1.3% in the high state and 0.8% in the low. (An earlier session found the same sharing for
+/// regions of 4 MB or more worth nothing, 0.998-1.003, in a high state whose cores read alike.)
+/// Gemma's 178 MB head: 1.7-2.4% shorter step in the high state (three runs of 634-876 pairs),
+/// 1.000-1.016 in the low; chunks of 64 KiB or 1 MiB did as well as 256 KiB.
 const SHARING: Sharing = Sharing {
-    steal_from: 16 << 20,
+    steal_from: 4 << 20,
     min_chunk: 256 << 10,
 };
+
+/// Whether a decode region of `bytes` of weights shares its units through [`Split`].
+pub(super) fn region_shares(bytes: usize) -> bool {
+    bytes >= SHARING.steal_from
+}
+
+/// The fewest units of `unit_bytes` each a [`Split`] chunk of a decode region holds.
+pub(super) fn split_min_units(unit_bytes: usize) -> usize {
+    SHARING.min_chunk.div_ceil(unit_bytes.max(1))
+}
 
 /// One activation row (`xq`) against every job's weight rows in one parallel region, units of
 /// [`DECODE_UNIT`] rows handed out across the jobs; each row computed by the kernel a one-row
