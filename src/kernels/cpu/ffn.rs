@@ -114,6 +114,9 @@ pub fn decode(
                     |t, _| {
                         let chunk = |us: std::ops::Range<usize>| {
                             let (r0, r1) = (row(us.start), row(us.end));
+                            if r0 == r1 {
+                                return; // more threads than units: an empty share
+                            }
                             // SAFETY: rows r0..r1 of `gate` and `up` (ff values each) are this
                             // chunk's only (`Split` hands each unit out once); the pool joins
                             // before they are read elsewhere.
