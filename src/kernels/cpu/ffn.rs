@@ -90,8 +90,8 @@ pub fn decode(
         let units = ff.div_ceil(DECODE_UNIT);
         let ucuts: Vec<usize> = (0..=n).map(|t| units * t / n).collect();
         let row = |u: usize| (u * DECODE_UNIT).min(ff);
-        let shares = region_shares(2 * ff * gate_w.row_bytes);
-        let split = Split::new(&ucuts, split_min_units(2 * DECODE_UNIT * gate_w.row_bytes));
+        let split = region_shares(2 * ff * gate_w.row_bytes)
+            .then(|| Split::new(&ucuts, split_min_units(2 * DECODE_UNIT * gate_w.row_bytes)));
         XQ.with_borrow_mut(|xq| {
             quantize_rows(pool, gate_w.ty, h, a_bytes, xq);
             XQ_DOWN.with_borrow_mut(|xd| {
@@ -133,10 +133,9 @@ pub fn decode(
                             // in this region; no other chunk holds them.
                             unsafe { parts.done(r0, r1) };
                         };
-                        if !shares {
-                            chunk(ucuts[t]..ucuts[t + 1]);
-                        } else {
-                            split.run(t, chunk);
+                        match &split {
+                            Some(split) => split.run(t, chunk),
+                            None => chunk(ucuts[t]..ucuts[t + 1]),
                         }
                     },
                     &after,
