@@ -14,6 +14,7 @@ pub mod membw;
 pub mod norm;
 pub mod ops;
 pub mod pool;
+pub mod prefetch;
 pub mod q4k_x8;
 pub mod q5_0_x16;
 pub mod q6k_x16;

@@ -111,6 +111,11 @@ fn matmul_splits_rows_as_llamacpp() {
 /// equals the twin row for row.
 #[test]
 fn x16_units_equal_scalar_twin() {
+    // Both with and without the decode flavour's prefetches (`prefetch`).
+    crate::kernels::cpu::prefetch::each(|_| x16_units_equal_scalar_twin_once());
+}
+
+fn x16_units_equal_scalar_twin_once() {
     let (rows, cols) = (40, 1024);
     let nb = cols / 256;
     let (w, a) = problem(rows, cols, 4);

@@ -24,6 +24,8 @@ const A_BSUMS: usize = 260;
 /// while it read 48 GB/s, 3360-8400 bytes all read 47-48 GB/s. (Those with `T0`, seven at a time;
 /// with the spread non-temporal ones below, Qwen2.5-1.5B's decode step was the same at 5040 and
 /// 8400 bytes ahead as at 6720: paired ratios 0.994-1.003.)
+/// (Measured on AMD family 26. On Zen 4, where [`crate::kernels::cpu::prefetch::on`] is false,
+/// the kernel leaves the stream to the hardware prefetcher.)
 const PREFETCH: usize = 2 * BLOCK_BYTES;
 /// Cache lines of one unit block (53), prefetched seven per group `g` (the last three into the
 /// next block), one per step of its first seven.
@@ -51,6 +53,7 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
     let (dup_lo, dup_hi) = (dup(0), dup(1));
     let neg32 = _mm512_set1_epi16(-32);
     let mut f = [_mm512_setzero_ps(); 8];
+    let stream = crate::kernels::cpu::prefetch::on();
     for b in 0..nb {
         let x = w.add(b * BLOCK_BYTES);
         let ya = a.add(b * A_BYTES);
@@ -80,7 +83,7 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
                 ];
                 for j in 0..4 {
                     let l = 4 * h + j;
-                    if l < 7 {
+                    if stream && l < 7 {
                         // One non-temporal prefetch per step, not seven `T0` ones at the
                         // group's start. The kernel alone, on two threads over a 191 MB
                         // matrix, alternated with the bandwidth probe (medians of 60-80 rounds,

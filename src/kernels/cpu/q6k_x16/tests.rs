@@ -84,14 +84,17 @@ fn x16_decode_equals_row_decode_bit_for_bit() {
         };
         let mut packed = vec![0u8; w.len()];
         pack_into(&pool, &w, rows, cols, &mut packed);
-        let (mut want, mut got) = (vec![0f32; rows], vec![0f32; rows]);
+        let mut want = vec![0f32; rows];
         rows_fn(cols, &w, nb * W_BYTES, &xq, &mut want);
-        gemv(cols, &packed, &xq, &mut got);
-        assert_eq!(bits(&got), bits(&want), "case {case}");
-        // A later run of whole units, as decode hands them out.
-        let unit = nb * BLOCK_BYTES;
-        let mut part = vec![0f32; rows - R];
-        gemv(cols, &packed[unit..], &xq, &mut part);
-        assert_eq!(bits(&part), bits(&want[R..]), "case {case}, units 1..");
+        crate::kernels::cpu::prefetch::each(|stream| {
+            let mut got = vec![0f32; rows];
+            gemv(cols, &packed, &xq, &mut got);
+            assert_eq!(bits(&got), bits(&want), "case {case}, prefetch {stream}");
+            // A later run of whole units, as decode hands them out.
+            let unit = nb * BLOCK_BYTES;
+            let mut part = vec![0f32; rows - R];
+            gemv(cols, &packed[unit..], &xq, &mut part);
+            assert_eq!(bits(&part), bits(&want[R..]), "case {case}, units 1..");
+        });
     }
 }

@@ -30,5 +30,7 @@ fn x16_decode_equals_row_decode_bit_for_bit() {
         eprintln!("skipped: no AVX-512 level on this CPU");
         return;
     }
-    check_blocks32_against_rows(GgmlType::Q8_0, W_BYTES, pack_into, gemv);
+    crate::kernels::cpu::prefetch::each(|_| {
+        check_blocks32_against_rows(GgmlType::Q8_0, W_BYTES, pack_into, gemv)
+    });
 }
