@@ -329,6 +329,10 @@ mod avx512 {
         ms: &mut [(f32, f32)],
     ) {
         assert!(heads.hd == 16 * N && ms.len() >= group.len());
+        // An aligned local in memory aligns the frame: the key rows spilled around each
+        // `softmax_step` call then sit on whole lines (`Aligned`).
+        let mut frame = crate::kernels::cpu::Aligned(0u8);
+        std::hint::black_box(&mut frame);
         for (s, m) in group.iter_mut().zip(ms.iter_mut()) {
             assert!(s.q16.len() == 16 * N && s.acc.len() == 16 * N);
             s.steps.clear();

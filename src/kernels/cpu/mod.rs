@@ -27,6 +27,20 @@ pub mod simd;
 pub mod split;
 pub mod x16;
 
+/// A value on a 64-byte boundary. A kernel that keeps a local in one makes the compiler align its
+/// whole stack frame, so the 64-byte vectors it spills sit on whole lines; on a frame 16 or 48
+/// bytes off a line those spills are split stores whose reloads cannot be forwarded, and the
+/// kernel's speed depends on where the calling thread's stack happens to sit. Q4_K's one-row GEMV
+/// (`q4k_x8`) runs out of vector registers and keeps its activation sums in one: before, its rows
+/// in L2 on one thread ran at 22-25 GB/s at two of the four 16-byte stack offsets and 43-44 at
+/// the other two (Zen 4, 2026-11-26), and against that unaligned kernel, alternated in one
+/// process, Qwen2.5-1.5B's decode step is 4.3-8.3% shorter while the probe reads 50-53 GB/s
+/// (93-108 pairs, three processes), and 0.991-1.006 of it in the low state (four). Decode
+/// attention spills its key rows around each `expf` call and keeps a byte in one for the same
+/// reason (not measured apart: Gemma-3 at depth 2048 read 75-88% of the bandwidth either way).
+#[repr(C, align(64))]
+pub(crate) struct Aligned<T>(pub(crate) T);
+
 /// A raw pointer into a buffer that the pool's threads write in disjoint parts (each its own
 /// output rows or pieces); the pool joins every thread before the buffer is read or written again.
 /// Users state at each write why their part is disjoint and in bounds.

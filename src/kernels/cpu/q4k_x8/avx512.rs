@@ -138,7 +138,8 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
         let mut dd = [_mm512_setzero_ps(); M];
         let mut dm = [_mm512_setzero_ps(); M];
         // Per row: the 8 sub-block activation sums as i16, dword p = (S[2p], S[2p + 1]).
-        let mut bsp = [[0i32; 4]; M];
+        // Aligned: see `Aligned` (this keeps the kernel's spills on whole lines).
+        let mut bsp = crate::kernels::cpu::Aligned([[0i32; 4]; M]);
         for r in 0..M {
             let y = a.add(r * stride + b * A_BYTES);
             let ad = _mm512_set1_ps(y.cast::<f32>().read_unaligned());
@@ -148,7 +149,7 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
                 _mm_loadu_si128(y.add(260).cast()),
                 _mm_loadu_si128(y.add(276).cast()),
             );
-            _mm_storeu_si128(bsp[r].as_mut_ptr().cast(), s);
+            _mm_storeu_si128(bsp.0[r].as_mut_ptr().cast(), s);
         }
 
         let mut isum_t = [_mm512_setzero_si512(); M];
@@ -200,7 +201,7 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
                 for r in 0..M {
                     let lo = _mm512_mul_ps(_mm512_cvtepi32_ps(alo[r]), f0);
                     let isum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ahi[r]), f1, lo);
-                    let imin = _mm512_madd_epi16(mv, _mm512_set1_epi32(bsp[r][p]));
+                    let imin = _mm512_madd_epi16(mv, _mm512_set1_epi32(bsp.0[r][p]));
                     acc[r] = _mm512_fmadd_ps(isum, dd[r], acc[r]);
                     accm[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), dm[r], accm[r]);
                 }
@@ -210,7 +211,7 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
                         _mm512_mullo_epi32(alo[r], s0),
                         _mm512_mullo_epi32(_mm512_srai_epi32::<4>(ahi[r]), s1),
                     );
-                    let imin = _mm512_madd_epi16(mv, _mm512_set1_epi32(bsp[r][p]));
+                    let imin = _mm512_madd_epi16(mv, _mm512_set1_epi32(bsp.0[r][p]));
                     isum_t[r] = _mm512_add_epi32(isum_t[r], isum);
                     imin_t[r] = _mm512_add_epi32(imin_t[r], imin);
                 }
