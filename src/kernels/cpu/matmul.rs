@@ -164,14 +164,26 @@ const SHARING: Sharing = Sharing {
     min_chunk: 256 << 10,
 };
 
+impl Sharing {
+    /// Whether a region of `bytes` of weights shares its units through [`Split`].
+    fn shares(self, bytes: usize) -> bool {
+        bytes >= self.steal_from
+    }
+
+    /// The fewest units of `unit_bytes` each a [`Split`] chunk holds.
+    fn min_units(self, unit_bytes: usize) -> usize {
+        self.min_chunk.div_ceil(unit_bytes.max(1))
+    }
+}
+
 /// Whether a decode region of `bytes` of weights shares its units through [`Split`].
 pub(super) fn region_shares(bytes: usize) -> bool {
-    bytes >= SHARING.steal_from
+    SHARING.shares(bytes)
 }
 
 /// The fewest units of `unit_bytes` each a [`Split`] chunk of a decode region holds.
 pub(super) fn split_min_units(unit_bytes: usize) -> usize {
-    SHARING.min_chunk.div_ceil(unit_bytes.max(1))
+    SHARING.min_units(unit_bytes)
 }
 
 /// One activation row (`xq`) against every job's weight rows in one parallel region, units of
@@ -305,15 +317,13 @@ fn decode_shared(
     };
     let key = first.w as *const CpuWeight as usize;
     let after = chain::record(key, (0..threads).map(start));
-    if total_bytes < sharing.steal_from {
+    if !sharing.shares(total_bytes) {
         pool.broadcast_then_prefetch(|t, _| chunk(cut(t)..cut(t + 1)), &after);
         return;
     }
-    // A region this long (an output head) gives a core that streams slower for a while time
-    // to fall far behind: the other takes over the end of its range.
-    let min_units = sharing
-        .min_chunk
-        .div_ceil((total_bytes / total.max(1)).max(1));
+    // A region this long gives a core that streams slower for a while time to fall behind: the
+    // other takes over the end of its range.
+    let min_units = sharing.min_units(total_bytes / total.max(1));
     let cuts: Vec<usize> = (0..=threads).map(cut).collect();
     let split = Split::new(&cuts, min_units);
     pool.broadcast_then_prefetch(|t, _| split.run(t, chunk), &after);
