@@ -40,6 +40,19 @@ const R: usize = 2 * GROUP;
 const PREFETCH: usize = 6 * BLOCK_BYTES;
 /// Cache lines of one unit block (36: one per step of its 32, four steps taking two).
 const LINES: usize = 2 * BLOCK_BYTES / 64;
+/// Where the one-row GEMV leaves the stream to the hardware prefetcher (AMD family 25), it still
+/// asks for one line twelve unit blocks (27 KB) ahead into L2 once per block: a seed, not the
+/// stream (one line of the block's 36). Measured on Zen 4 (2026-11-27), the kernel alone on two
+/// threads over a 200 MB matrix of 1536-value rows, alternated with probe reads (three runs of
+/// 33-50 reads in the high-bandwidth state): 0.898, 0.944 and 0.973 of the probe without, 0.924,
+/// 0.965 and 0.995 with (18 KB ahead 0.933, 0.969, 0.984); in the low state 0.956 and 0.982
+/// without, 0.977 and 0.999 with. Qwen2.5-1.5B's decode step, alternated step by step in one
+/// process: 0.9885, 0.9959 and 1.0045 in the high state (281, 198 and 83 pairs), 0.9941-0.9997 in
+/// the low (five runs of 119-800); 36 KB ahead against 27 KB 1.0018 in both. Gemma-3 270M's step
+/// 0.9994 (little of it is Q4_K). Not kept: `T0` 4 or 9 KB ahead (0.85 and 0.92 of the probe
+/// alone, against 0.96 without), `prefetchnta` 9 KB ahead (0.90), the same seed in Q6_K's kernel
+/// (Qwen's step 1.0016 low, 0.9994 high), and for the verify's four rows (0.990 low, 1.005 high).
+const SEED_AHEAD: usize = 12 * 2 * BLOCK_BYTES;
 const _: () = assert!(LINES > 32 && LINES - 32 <= 32);
 
 /// See [`super::dot_pair`].
@@ -104,8 +117,13 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
     // everywhere: on Zen 4 a two-token verify forward of Qwen2.5-1.5B was 3-6% longer without
     // (paired, 150 pairs, three runs), where one, three and four rows were 4-15% shorter.
     let stream = !PAIR && (M == 2 || crate::kernels::cpu::prefetch::on());
+    let seed = M == 1 && !PAIR && !stream;
     for b in 0..nb {
         let x = w.add(2 * b * BLOCK_BYTES);
+        if seed {
+            // One line ahead into L2 (`SEED_AHEAD`); a hint that never faults past the end.
+            _mm_prefetch::<_MM_HINT_T1>(x.wrapping_add(SEED_AHEAD).cast());
+        }
         // Scales and mins of the 16 rows (get_scale_min_k4 on the transposed bytes, all rows at
         // once): byte 16j + c of `sc03` is sub-block j's scale of row c, `sc47` the same for
         // sub-blocks 4..8, `mn03`/`mn47` for the mins.
