@@ -36,7 +36,8 @@ const R: usize = 2 * GROUP;
 /// (482 pairs), but neither its down-projection part nor the rest alone was faster (0.998 and
 /// 0.995). (Q6_K's kernel with `prefetchnta`: -0.4 to +1%.)
 /// (Measured on AMD family 26. On Zen 4, where [`crate::kernels::cpu::prefetch::on`] is false,
-/// the kernel leaves the stream to the hardware prefetcher.)
+/// the kernel leaves the stream to the hardware prefetcher, the one-row GEMV only seeding it:
+/// [`SEED_AHEAD`].)
 const PREFETCH: usize = 6 * BLOCK_BYTES;
 /// Cache lines of one unit block (36: one per step of its 32, four steps taking two).
 const LINES: usize = 2 * BLOCK_BYTES / 64;
