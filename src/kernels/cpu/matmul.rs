@@ -10,7 +10,8 @@
 //!   last `n % 4` (all of them when `n < 4`) through `ggml_gemv_q4_K_8x8_q8_K`'s;
 //! - Q6_K with `n >= 8`: ggml-cpu's tiled k-quant matmul (`q6k_x8` for whole groups of eight
 //!   weight rows, [`q6k_tiled`] for the rest); with `n < 8`:
-//!   `ggml_vec_dot_q6_K_q8_K` (`simd`);
+//!   `ggml_vec_dot_q6_K_q8_K` (`simd`; at the AVX-512 level the x16 copy's kernel, the same
+//!   arithmetic, one pass over the weights for up to four rows);
 //! - Q5_0 / Q8_0: tinyBLAS for `n >= 2`, `ggml_vec_dot_*` for `n == 1`, which agree per element
 //!   (`simd`).
 //!
@@ -120,6 +121,14 @@ fn matmul_quantized(
     } else if q80_gemm::applies(w.ty, cols, n) {
         let done = q80_gemm::matmul(pool, w.ty, w.bytes(), rows, cols, xq, n, &mut out.data);
         matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
+    } else if let Some(packed) = w
+        .packed_q6k(pool)
+        .filter(|_| (invariant || n < TILE) && w.q6k_layout() == Layout::X16)
+    {
+        // Below the GEMM's eight rows (and in the row-invariant verify) llama.cpp takes
+        // `ggml_vec_dot_q6_K_q8_K` per row, which the x16 kernel reproduces bit for bit, from
+        // the packed copy on huge pages in one pass for up to four rows.
+        crate::kernels::cpu::q6k_x16::matmul(pool, packed, rows, cols, xq, n, &mut out.data);
     } else if !invariant && w.ty == GgmlType::Q6K && q6k_x8::applies(rows, cols, n) {
         // From the packed copy where there is one (huge pages; the file's pages are released).
         let (src, layout) = w

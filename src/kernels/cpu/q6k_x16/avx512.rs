@@ -122,3 +122,133 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
     let sum = _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]));
     _mm512_storeu_ps(out, sum);
 }
+
+/// Sixteen outputs of one x16 unit (`w`: `nb` unit blocks) against each of `m` (1..=4)
+/// activation rows `a + r * stride` (`out[r]`), every one bit-identical to [`dot_unit`]'s for that
+/// row alone: the row-invariant verify and the small batches below the GEMM's eight rows read the
+/// unit once for all their rows.
+///
+/// Streaming: the kernel does about 130-180 cycles of multiplies a unit block per extra row
+/// (cache-resident, one core: 288 cycles a unit block for one row, 449, 579 and 762 for two,
+/// three and four), and with three or four rows the hardware prefetcher alone fell behind. A 191
+/// MB matrix on two threads, four runs of 9 reads in the low state (probe 26-28 GB/s,
+/// 2026-11-27): without, 15.1-18.8 GB/s for three rows and 13.1-15.7 for four; with
+/// `prefetchnta` [`PREFETCH`] bytes ahead, 16.8-20.5 and 15.8-19.1 (4000 and 10080 bytes ahead
+/// no better). Two rows read the same either way (18.1-21.1 against 19.0-21.0), so they leave
+/// the stream to the hardware.
+///
+/// # Safety
+/// As [`dot_unit`], with `a + r * stride` at `nb` Q8_K blocks for each `r < m`, `1 <= m <= 4`.
+pub(super) unsafe fn dot_unit_rows(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    stride: usize,
+    m: usize,
+    out: &mut [[f32; R]; 4],
+) {
+    match m {
+        4 => rows_m::<4>(nb, w, a, stride, out),
+        3 => rows_m::<3>(nb, w, a, stride, out),
+        2 => rows_m::<2>(nb, w, a, stride, out),
+        _ => rows_m::<1>(nb, w, a, stride, out),
+    }
+}
+
+/// [`dot_unit_rows`] for `M` rows. The integer lanes are [`dot_unit`]'s, summed in another order
+/// (one half `h` of every group at a time, so that `4 M` accumulators are live, not `8 M`):
+/// wrapping integer sums do not depend on the order, and the float steps per block and lane and
+/// the final sum are the same.
+///
+/// # Safety
+/// As [`dot_unit_rows`] with `m = M`.
+#[allow(clippy::needless_range_loop)] // rows and lanes index several arrays at once
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn rows_m<const M: usize>(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    stride: usize,
+    out: &mut [[f32; R]; 4],
+) {
+    let m0f = _mm512_set1_epi8(0x0F);
+    let m30 = _mm512_set1_epi8(0x30);
+    let dup = |w: i32| {
+        let d = |k: i32| (4 * k + 2 * w) | ((4 * k + 2 * w + 1) << 8);
+        let v = |k: i32| d(k) | (d(k) << 16);
+        _mm512_set4_epi32(v(3), v(2), v(1), v(0))
+    };
+    let dups = [dup(0), dup(1)];
+    let neg32 = _mm512_set1_epi16(-32);
+    let mut f = [[_mm512_setzero_ps(); 8]; M];
+    for b in 0..nb {
+        let x = w.add(b * BLOCK_BYTES);
+        let ya: [*const u8; M] = std::array::from_fn(|r| a.add(r * stride + b * A_BYTES));
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(x.cast()));
+        for h in 0..2 {
+            let mut acc = [[_mm512_setzero_si512(); 4]; M];
+            for g in 0..8 {
+                let sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256(x.add(SCALES + 32 * g).cast()));
+                let s = _mm512_shuffle_epi8(sp, dups[h]);
+                let c = x.add(QUANTS + 192 * (2 * g + h));
+                if M >= 3 {
+                    // Three and four rows are slow enough for the hardware prefetcher alone to
+                    // fall behind, even on Zen 4: two unit blocks ahead, four lines a chunk
+                    // (measured: [`dot_unit_rows`]).
+                    let k = 8 * h + g;
+                    for i in 0..4 {
+                        let l = 4 * k + i;
+                        if l < LINES {
+                            _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * l).cast());
+                        }
+                    }
+                }
+                let (zl1, zl2, zh) = (ld2x256(c), ld2x256(c.add(64)), ld2x256(c.add(128)));
+                let lo = |v: __m512i| _mm512_and_si512(v, m0f);
+                let top = |v: __m512i| _mm512_and_si512(v, m30);
+                let v = [
+                    _mm512_or_si512(lo(zl1), top(zh)),
+                    _mm512_or_si512(
+                        lo(_mm512_srli_epi16::<4>(zl1)),
+                        top(_mm512_slli_epi16::<2>(zh)),
+                    ),
+                    _mm512_or_si512(lo(zl2), top(_mm512_slli_epi16::<4>(zh))),
+                    _mm512_or_si512(
+                        lo(_mm512_srli_epi16::<4>(zl2)),
+                        top(_mm512_srli_epi16::<2>(zh)),
+                    ),
+                ];
+                for r in 0..M {
+                    for j in 0..4 {
+                        let y = bcast32x16(ya[r].add(A_QS + 32 * g + 4 * (4 * h + j)));
+                        let p = _mm512_maddubs_epi16(v[j], y);
+                        acc[r][j] = _mm512_dpwssd_epi32(acc[r][j], p, s);
+                    }
+                }
+            }
+            // The offset of lane l = 4h + j is group l's (as in `dot_unit`).
+            for j in 0..4 {
+                let l = 4 * h + j;
+                let sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256(x.add(SCALES + 32 * l).cast()));
+                let ns = _mm512_mullo_epi16(sp, neg32);
+                for r in 0..M {
+                    let bs = bcast32x16(ya[r].add(A_BSUMS + 4 * l));
+                    acc[r][j] = _mm512_dpwssd_epi32(acc[r][j], bs, ns);
+                }
+            }
+            for r in 0..M {
+                let d = _mm512_mul_ps(_mm512_set1_ps(rd_f32(ya[r])), dw);
+                for j in 0..4 {
+                    let l = 4 * h + j;
+                    f[r][l] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(acc[r][j]), f[r][l]);
+                }
+            }
+        }
+    }
+    for r in 0..M {
+        let f = &f[r];
+        let q: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(f[i + 4], f[i]));
+        let sum = _mm512_add_ps(_mm512_add_ps(q[0], q[2]), _mm512_add_ps(q[1], q[3]));
+        _mm512_storeu_ps(out[r].as_mut_ptr(), sum);
+    }
+}

@@ -176,6 +176,54 @@ pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &
     });
 }
 
+/// `n` activation rows (`xq`: rows of `cols / 256` Q8_K blocks) against a whole packed matrix
+/// (`rows` rows): `out[t * rows + i]` = activation row `t` · packed row `i`, each as [`gemv`] (and
+/// so the row kernel) computes it for that row alone. Units are split across the pool; each
+/// unit is read once per four activation rows (the first time from memory, then from cache).
+pub fn matmul(
+    pool: &ThreadPool,
+    packed: &[u8],
+    rows: usize,
+    cols: usize,
+    xq: &[u8],
+    n: usize,
+    out: &mut [f32],
+) {
+    assert!(applies(rows, cols), "{rows}x{cols} is not x16-packed here");
+    let nb = cols / 256;
+    let (unit, a_row) = (nb * BLOCK_BYTES, nb * 292);
+    assert_eq!(packed.len(), rows / R * unit, "packed matrix bytes");
+    assert_eq!(xq.len(), n * a_row, "activation bytes");
+    assert_eq!(out.len(), n * rows, "output size");
+    #[cfg(target_arch = "x86_64")]
+    {
+        let dst = crate::kernels::cpu::SharedMut(out.as_mut_ptr());
+        pool.for_range(rows / R, 4, |range| {
+            let mut res = [[0f32; R]; 4];
+            for u in range {
+                for t0 in (0..n).step_by(4) {
+                    let m = (n - t0).min(4);
+                    // SAFETY: the AVX-512 level is available (`applies`); unit `u` lies inside
+                    // `packed` and rows t0..t0 + m inside `xq` (both checked above).
+                    unsafe {
+                        let w = packed.as_ptr().add(u * unit);
+                        let a = xq.as_ptr().add(t0 * a_row);
+                        avx512::dot_unit_rows(nb, w, a, a_row, m, &mut res);
+                    }
+                    // SAFETY: rows t0..t0 + m < n and columns u * 16..(u + 1) * 16 <= rows are
+                    // inside `out` (n * rows); unit u belongs to this chunk only.
+                    unsafe { dst.store_tile(rows, t0, u * R, &res[..m], R) };
+                }
+            }
+        });
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (pool, nb, unit, a_row);
+        unreachable!("the x16 layout is only packed at the AVX-512 level");
+    }
+}
+
 /// One activation row (`xq`: `cols / 256` Q8_K blocks) against the x16 units in `w` (whole units
 /// of a packed matrix): `out[i]` = packed row `i`, as the row kernel computes it.
 pub fn gemv(cols: usize, w: &[u8], xq: &[u8], out: &mut [f32]) {

@@ -98,3 +98,33 @@ fn x16_decode_equals_row_decode_bit_for_bit() {
         });
     }
 }
+
+/// Several activation rows at once (`matmul`, up to four per pass over a unit) give each row
+/// exactly what the one-row kernel gives it: the row-invariant verify depends on it.
+#[test]
+fn rows_at_once_equal_one_row_bit_for_bit() {
+    if !applies(R, 256) {
+        eprintln!("skipped: no AVX-512 level on this CPU");
+        return;
+    }
+    let pool = ThreadPool::new(2);
+    let (rows, cols) = (64, 768);
+    let nb = cols / 256;
+    let w = raw_matrix(rows, nb, 31);
+    let mut packed = vec![0u8; w.len()];
+    pack_into(&pool, &w, rows, cols, &mut packed);
+    let a_row = nb * 292;
+    for n in 1..=9 {
+        let xq: Vec<u8> = (0..n)
+            .flat_map(|t| raw_activations(nb, 300 + t as u32))
+            .collect();
+        let mut got = vec![0f32; n * rows];
+        matmul(&pool, &packed, rows, cols, &xq, n, &mut got);
+        for t in 0..n {
+            let mut want = vec![0f32; rows];
+            gemv(cols, &packed, &xq[t * a_row..(t + 1) * a_row], &mut want);
+            let row = &got[t * rows..(t + 1) * rows];
+            assert_eq!(bits(row), bits(&want), "{n} rows, row {t}");
+        }
+    }
+}
