@@ -36,12 +36,12 @@ const R: usize = 2 * GROUP;
 /// (482 pairs), but neither its down-projection part nor the rest alone was faster (0.998 and
 /// 0.995). (Q6_K's kernel with `prefetchnta`: -0.4 to +1%.)
 /// (Measured on AMD family 26. On Zen 4, where [`crate::kernels::cpu::prefetch::on`] is false,
-/// the kernel leaves the stream to the hardware prefetcher, the one-row GEMV only seeding it:
+/// the kernel leaves the stream to the hardware prefetcher, the GEMV flavour only seeding it:
 /// [`SEED_AHEAD`].)
 const PREFETCH: usize = 6 * BLOCK_BYTES;
 /// Cache lines of one unit block (36: one per step of its 32, four steps taking two).
 const LINES: usize = 2 * BLOCK_BYTES / 64;
-/// Where the one-row GEMV leaves the stream to the hardware prefetcher (AMD family 25), it still
+/// Where the GEMV flavour leaves the stream to the hardware prefetcher (AMD family 25), it still
 /// asks for one line twelve unit blocks (27 KB) ahead into L2 once per block: a seed, not the
 /// stream (one line of the block's 36). Measured on Zen 4 (2026-11-27), the kernel alone on two
 /// threads over a 200 MB matrix of 1536-value rows, alternated with probe reads (three runs of
@@ -52,7 +52,8 @@ const LINES: usize = 2 * BLOCK_BYTES / 64;
 /// the low (five runs of 119-800); 36 KB ahead against 27 KB 1.0018 in both. Gemma-3 270M's step
 /// 0.9994 (little of it is Q4_K). Not kept: `T0` 4 or 9 KB ahead (0.85 and 0.92 of the probe
 /// alone, against 0.96 without), `prefetchnta` 9 KB ahead (0.90), the same seed in Q6_K's kernel
-/// (Qwen's step 1.0016 low, 0.9994 high), and for the verify's four rows (0.990 low, 1.005 high).
+/// (Qwen's step 1.0016 low, 0.9994 high). The GEMV flavour's two to four rows seed it the same
+/// way (see `rows_m`).
 const SEED_AHEAD: usize = 12 * 2 * BLOCK_BYTES;
 const _: () = assert!(LINES > 32 && LINES - 32 <= 32);
 
@@ -114,11 +115,15 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
     let cc0 = _mm512_set1_epi8(0xC0u8 as i8);
     let mut acc = [_mm512_setzero_ps(); M];
     let mut accm = [_mm512_setzero_ps(); M];
-    // The GEMV flavour prefetches where this CPU gains by it (`prefetch`), and for two rows
-    // everywhere: on Zen 4 a two-token verify forward of Qwen2.5-1.5B was 3-6% longer without
-    // (paired, 150 pairs, three runs), where one, three and four rows were 4-15% shorter.
-    let stream = !PAIR && (M == 2 || crate::kernels::cpu::prefetch::on());
-    let seed = M == 1 && !PAIR && !stream;
+    // The GEMV flavour streams with prefetches where this CPU gains by it (`prefetch`); where
+    // it does not (Zen 4) it only seeds the hardware prefetcher (`SEED_AHEAD`), for any number
+    // of rows. On Zen 4, Qwen2.5-1.5B's row-invariant forward of k tokens, alternated with the
+    // previous rule in one process (2026-11-27, paired ratios of forward times): two rows seeded
+    // instead of streamed 0.964-0.999 in the low state (three runs of 80 pairs) and 0.90-0.94 in
+    // the high (3 and 10 pairs); three and four rows seeded instead of left alone 0.963 (60
+    // pairs) and 0.994-0.996 (two runs of 60), eight 0.994 (40).
+    let stream = !PAIR && crate::kernels::cpu::prefetch::on();
+    let seed = !PAIR && !stream;
     for b in 0..nb {
         let x = w.add(2 * b * BLOCK_BYTES);
         if seed {
@@ -179,7 +184,7 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
             for s in 0..8 {
                 if stream {
                     // The GEMV flavour (decode, and the row-invariant verify of up to four
-                    // rows) streams the packed weights once: prefetch three unit blocks ahead
+                    // rows), where `prefetch::on`, streams the packed weights once: prefetch three unit blocks ahead
                     // (past the unit's end too, into the next unit of the same stream;
                     // prefetches never fault), one line per step, spread over the block's
                     // arithmetic. Issued as one burst of 36 at the block's start, they stall
