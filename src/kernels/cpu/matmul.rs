@@ -12,8 +12,9 @@
 //!   weight rows, [`q6k_tiled`] for the rest); with `n < 8`:
 //!   `ggml_vec_dot_q6_K_q8_K` (`simd`; at the AVX-512 level the x16 copy's kernel, the same
 //!   arithmetic, one pass over the weights for up to four rows);
-//! - Q5_0 / Q8_0: tinyBLAS for `n >= 2`, `ggml_vec_dot_*` for `n == 1`, which agree per element
-//!   (`simd`).
+//! - Q5_0 / Q8_0: tinyBLAS (`q80_gemm`) for `n >= 16`, `ggml_vec_dot_*` below (`simd`; at the
+//!   AVX-512 level the x16 copies' kernels, the same bits, one pass for up to four rows), which
+//!   agree per element.
 //!
 //! So a result depends on how many rows are multiplied together: greedy parity with llama.cpp
 //! holds when the engine batches tokens as llama.cpp does (whole prompt ubatches, then one token
@@ -31,7 +32,9 @@ use crate::kernels::cpu::q6k_x8;
 use crate::kernels::cpu::q80_gemm;
 use crate::kernels::cpu::simd;
 use crate::kernels::cpu::split::Split;
+use crate::kernels::cpu::x16::Blocks32Matmul;
 use crate::kernels::cpu::SharedMut;
+use crate::kernels::cpu::{q5_0_x16, q8_0_x16};
 use crate::quant::Q8Variant;
 
 /// Weight types this matmul can multiply.
@@ -118,6 +121,10 @@ fn matmul_quantized(
     if let Some(packed) = w.packed_q4k(pool) {
         let gemm = !invariant;
         crate::kernels::cpu::q4k_x8::matmul(pool, packed, rows, cols, xq, n, gemm, &mut out.data);
+    } else if let Some((packed, mm)) = x16_blocks32(pool, w).filter(|_| n < q80_gemm::MIN_ROWS) {
+        // Below the GEMM's rows llama.cpp takes the per-row kernels, which the x16 copies'
+        // kernels reproduce bit for bit: from that copy, in one pass for up to four rows.
+        mm(pool, cols, packed, xq, n, &mut out.data);
     } else if q80_gemm::applies(w.ty, cols, n) {
         let done = q80_gemm::matmul(pool, w.ty, w.bytes(), rows, cols, xq, n, &mut out.data);
         matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
@@ -138,6 +145,19 @@ fn matmul_quantized(
         matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
     } else {
         matmul_rows(pool, w, xq, a_bytes, n, 0, out, invariant);
+    }
+}
+
+/// The x16 copy of a Q8_0 or Q5_0 matrix (packing it on first use) and its multi-row matmul.
+fn x16_blocks32<'a>(pool: &ThreadPool, w: &'a CpuWeight) -> Option<(&'a [u8], Blocks32Matmul)> {
+    match w.ty {
+        GgmlType::Q8_0 => w
+            .packed_q8_0(pool)
+            .map(|p| (p, q8_0_x16::matmul as Blocks32Matmul)),
+        GgmlType::Q5_0 => w
+            .packed_q5_0(pool)
+            .map(|p| (p, q5_0_x16::matmul as Blocks32Matmul)),
+        _ => None,
     }
 }
 

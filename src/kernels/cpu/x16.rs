@@ -165,6 +165,80 @@ pub fn gemv_blocks32(
     });
 }
 
+/// A 32-value layout's kernel over several activation rows: `(blocks per row, the unit, the first
+/// activation row (the others follow, `nb` blocks apart), its [`lanes::Prep`]s (the others' follow,
+/// `nb` apart), the number of rows m (1..=4), the m rows' 16 outputs)`. Each row's outputs are
+/// the one-row kernel's bits. A call needs the AVX-512 level and all of those where the pointers
+/// say.
+#[cfg(target_arch = "x86_64")]
+pub type Block32RowsKernel =
+    unsafe fn(usize, *const u8, *const u8, *const lanes::Prep, usize, &mut [[f32; R]; 4]);
+
+/// A 32-value layout's `matmul`: `(pool, cols, packed matrix, n activation rows, n, n × rows
+/// outputs)`.
+pub type Blocks32Matmul = fn(&ThreadPool, usize, &[u8], &[u8], usize, &mut [f32]);
+
+/// `n` Q8_0 activation rows (`xq`: rows of `cols / 32` blocks) against a whole x16-packed matrix
+/// `w` of a layout of 32-value blocks of `w_bytes` file bytes, through `kernel` (weights offset by
+/// `off` in `vpdpbusd`, as [`gemv_blocks32`]): `out[t * rows + i]` = activation row `t` · packed
+/// row `i`, each as [`gemv_blocks32`] computes it for that row alone. Units are split across the
+/// pool; each is read once per four activation rows (the first time from memory).
+#[cfg(target_arch = "x86_64")]
+pub fn matmul_blocks32(
+    pool: &ThreadPool,
+    (cols, w_bytes, n): (usize, usize, usize),
+    w: &[u8],
+    xq: &[u8],
+    out: &mut [f32],
+    (kernel, off): (Block32RowsKernel, i8),
+) {
+    assert!(cols.is_multiple_of(32), "whole blocks");
+    let nb = cols / 32;
+    let unit_bytes = nb * R * w_bytes;
+    assert!(n > 0, "at least one activation row");
+    let rows = w.len() / unit_bytes * R;
+    check_gemv(
+        w.len(),
+        unit_bytes,
+        out.len() / n,
+        xq.len() >= n * nb * Q8_0_BYTES,
+    );
+    assert_eq!(out.len(), n * rows, "one output per row and activation row");
+    PREPS.with_borrow_mut(|preps| {
+        preps.resize(n * nb, lanes::Prep::default());
+        for (i, p) in preps.iter_mut().enumerate() {
+            // SAFETY: the AVX-512 level is available (checked); block i of the n rows lies
+            // inside `xq` (checked length).
+            *p = unsafe { lanes::prep(xq.as_ptr().add(i * Q8_0_BYTES), off) };
+        }
+        let preps = &preps[..];
+        let dst = SharedMut(out.as_mut_ptr());
+        pool.for_range(rows / R, 4, |range| {
+            let mut res = [[0f32; R]; 4];
+            for u in range {
+                for t0 in (0..n).step_by(4) {
+                    let m = (n - t0).min(4);
+                    // SAFETY: the AVX-512 level is available (checked); unit u lies inside `w`,
+                    // rows t0..t0 + m inside `xq` and their preps inside `preps`.
+                    unsafe {
+                        kernel(
+                            nb,
+                            w.as_ptr().add(u * unit_bytes),
+                            xq.as_ptr().add(t0 * nb * Q8_0_BYTES),
+                            preps.as_ptr().add(t0 * nb),
+                            m,
+                            &mut res,
+                        )
+                    };
+                    // SAFETY: rows t0..t0 + m < n and columns u * 16..(u + 1) * 16 <= rows are
+                    // inside `out` (n * rows); unit u belongs to this chunk only.
+                    unsafe { dst.store_tile(rows, t0, u * R, &res[..m], R) };
+                }
+            }
+        });
+    });
+}
+
 /// The per-block steps the 32-value x16 kernels share, on sixteen rows at once: `f[l]` holds
 /// lane `l` (of ggml's eight, four products each) of every row, as the AVX2 row kernel holds it
 /// in one `__m256` per row.
@@ -319,6 +393,37 @@ pub(crate) fn check_blocks32_against_rows(
         let mut part = vec![0f32; rows - R];
         gemv(cols, &packed[unit..], &xq, &mut part);
         assert_eq!(bits(&part), bits(&got[R..]), "case {case}, units 1..");
+    }
+}
+
+/// A 32-value x16 layout's multi-row `matmul` gives every activation row exactly what its `gemv`
+/// gives that row alone, for 1 to 9 rows (whole passes of four and the rest), on raw blocks.
+#[cfg(test)]
+pub(crate) fn check_blocks32_rows_against_gemv(
+    w_bytes: usize,
+    pack: fn(&ThreadPool, &[u8], usize, usize, &mut [u8]),
+    gemv: fn(usize, &[u8], &[u8], &mut [f32]),
+    matmul: Blocks32Matmul,
+) {
+    let pool = ThreadPool::new(2);
+    let (rows, cols) = (64, 640);
+    let nb = cols / 32;
+    let w = raw_blocks32(rows, nb, w_bytes, 77);
+    let mut packed = vec![0u8; w.len()];
+    pack(&pool, &w, rows, cols, &mut packed);
+    let a_row = nb * Q8_0_BYTES;
+    for n in 1..=9 {
+        let xq: Vec<u8> = (0..n)
+            .flat_map(|t| raw_q8_0_activations(nb, 90 + t as u32))
+            .collect();
+        let mut got = vec![0f32; n * rows];
+        matmul(&pool, cols, &packed, &xq, n, &mut got);
+        for t in 0..n {
+            let mut want = vec![0f32; rows];
+            gemv(cols, &packed, &xq[t * a_row..(t + 1) * a_row], &mut want);
+            let row = &got[t * rows..(t + 1) * rows];
+            assert_eq!(bits(row), bits(&want), "{n} rows, row {t}");
+        }
     }
 }
 

@@ -66,3 +66,80 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, pr: *const 
     }
     lanes::store(&f, o);
 }
+
+/// Sixteen outputs of one x16 unit (`w`: `nb` unit blocks) against each of `m` (1..=4)
+/// activation rows (`a`: the first row's `nb` Q8_0 blocks, the others following; `pr`: their
+/// preps, likewise), `out[r]` bit-identical to [`dot_unit`]'s for row `r` alone: the same lane
+/// integer and float step per block, the unit read (and its values built) once for all the rows.
+///
+/// # Safety
+/// As [`dot_unit`], for `m` rows of blocks and preps; `1 <= m <= 4`.
+pub(super) unsafe fn dot_unit_rows(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    pr: *const Prep,
+    m: usize,
+    out: &mut [[f32; R]; 4],
+) {
+    match m {
+        4 => rows_m::<4>(nb, w, a, pr, out),
+        3 => rows_m::<3>(nb, w, a, pr, out),
+        2 => rows_m::<2>(nb, w, a, pr, out),
+        _ => rows_m::<1>(nb, w, a, pr, out),
+    }
+}
+
+/// [`dot_unit_rows`] for `M` rows, prefetching as [`dot_unit`] does, in the unit's order (the
+/// activation blocks' scales and lane starts read where they are, as in Q8_0's).
+///
+/// # Safety
+/// As [`dot_unit_rows`] with `m = M`.
+#[allow(clippy::needless_range_loop)] // rows and lanes index several arrays at once
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn rows_m<const M: usize>(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    pr: *const Prep,
+    out: &mut [[f32; R]; 4],
+) {
+    let m0f = _mm512_set1_epi8(0x0F);
+    let c16 = _mm512_set1_epi8(16);
+    let mut f = [[_mm512_setzero_ps(); 8]; M];
+    for b in 0..nb {
+        let x = w.add(b * BLOCK_BYTES);
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(x.cast()));
+        let bp: [*const Prep; M] = std::array::from_fn(|r| pr.add(r * nb + b));
+        // `lanes::fold`'s step, d_w · d_a, per row.
+        let d: [__m512; M] =
+            std::array::from_fn(|r| _mm512_mul_ps(dw, _mm512_set1_ps((*bp[r]).da)));
+        let fifth = ld2x256(x.add(FIFTH));
+        for p in 0..4 {
+            let plane = ld2x256(x.add(NIBBLES + 64 * p));
+            let nib = [
+                _mm512_and_si512(plane, m0f),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(plane), m0f),
+            ];
+            for h in 0..2 {
+                let l = 2 * p + h;
+                if l < LINES {
+                    _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * l).cast());
+                    // Keeps the compiler from gathering the prefetches back into one burst.
+                    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+                }
+                let bit = _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(1 << l));
+                let v = _mm512_mask_add_epi8(nib[h], bit, nib[h], c16);
+                for r in 0..M {
+                    let ya = a.add((r * nb + b) * A_BYTES);
+                    let start = _mm512_set1_epi32((*bp[r]).starts[l]);
+                    let acc = _mm512_dpbusd_epi32(start, v, bcast32x16(ya.add(2 + 4 * l)));
+                    f[r][l] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(acc), f[r][l]);
+                }
+            }
+        }
+    }
+    for r in 0..M {
+        lanes::store(&f[r], out[r].as_mut_ptr());
+    }
+}

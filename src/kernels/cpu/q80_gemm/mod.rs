@@ -39,7 +39,7 @@ const TILE_M: usize = 3;
 
 /// Activation rows from which unpacking the panel pays for itself (below, the per-row `tile`
 /// kernels are as fast: `cargo bench --bench kernels -- q5_0 q8_0`).
-const MIN_ROWS: usize = 16;
+pub const MIN_ROWS: usize = 16;
 
 /// Whether this path takes a `ty` matrix with `n` activation rows on this CPU.
 pub fn applies(ty: GgmlType, cols: usize, n: usize) -> bool {
