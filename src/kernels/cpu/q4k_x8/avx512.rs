@@ -52,8 +52,8 @@ const LINES: usize = 2 * BLOCK_BYTES / 64;
 /// the low (five runs of 119-800); 36 KB ahead against 27 KB 1.0018 in both. Gemma-3 270M's step
 /// 0.9994 (little of it is Q4_K). Not kept: `T0` 4 or 9 KB ahead (0.85 and 0.92 of the probe
 /// alone, against 0.96 without), `prefetchnta` 9 KB ahead (0.90), the same seed in Q6_K's kernel
-/// (Qwen's step 1.0016 low, 0.9994 high). The GEMV flavour's two to four rows seed it the same
-/// way (see `rows_m`).
+/// (Qwen's step 1.0016 low, 0.9994 high). The GEMV flavour's two rows seed it the same way, and
+/// three or four rows prefetch every line this far ahead (see `rows_m`).
 const SEED_AHEAD: usize = 12 * 2 * BLOCK_BYTES;
 const _: () = assert!(LINES > 32 && LINES - 32 <= 32);
 
@@ -116,14 +116,19 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
     let mut acc = [_mm512_setzero_ps(); M];
     let mut accm = [_mm512_setzero_ps(); M];
     // The GEMV flavour streams with prefetches where this CPU gains by it (`prefetch`); where
-    // it does not (Zen 4) it only seeds the hardware prefetcher (`SEED_AHEAD`), for any number
-    // of rows. On Zen 4, Qwen2.5-1.5B's row-invariant forward of k tokens, alternated with the
-    // previous rule in one process (2026-11-27, paired ratios of forward times): two rows seeded
+    // it does not (Zen 4) it seeds the hardware prefetcher (`SEED_AHEAD`): one and two rows one
+    // line a unit block, three and four rows every line (`dense`), as slow enough for the
+    // hardware alone to fall behind. On Zen 4, Qwen2.5-1.5B's row-invariant forward of k tokens,
+    // alternated in one process (2026-11-27, paired ratios of forward times): two rows seeded
     // instead of streamed 0.964-0.999 in the low state (three runs of 80 pairs) and 0.90-0.94 in
     // the high (3 and 10 pairs); three and four rows seeded instead of left alone 0.963 (60
-    // pairs) and 0.994-0.996 (two runs of 60), eight 0.994 (40).
+    // pairs) and 0.994-0.996 (two runs of 60), eight 0.994 (40); then every line instead of the
+    // seed 0.949 at three rows, 0.943 and 0.952 at four (0.931 low, 0.974 high), 0.937 at eight
+    // (0.920 low, 0.941 high), 9 or 55 KB ahead instead of 27 0.955 and 0.960 at four; two
+    // rows 1.059, so they keep the seed.
     let stream = !PAIR && crate::kernels::cpu::prefetch::on();
-    let seed = !PAIR && !stream;
+    let dense = !PAIR && !stream && M >= 3;
+    let seed = !PAIR && !stream && !dense;
     for b in 0..nb {
         let x = w.add(2 * b * BLOCK_BYTES);
         if seed {
@@ -184,20 +189,32 @@ unsafe fn rows_m<const M: usize, const PAIR: bool>(
             for s in 0..8 {
                 if stream {
                     // The GEMV flavour (decode, and the row-invariant verify of up to four
-                    // rows), where `prefetch::on`, streams the packed weights once: prefetch three unit blocks ahead
-                    // (past the unit's end too, into the next unit of the same stream;
-                    // prefetches never fault), one line per step, spread over the block's
-                    // arithmetic. Issued as one burst of 36 at the block's start, they stall
-                    // on the core's miss buffers and the arithmetic waits behind them: Qwen's
-                    // Q4_K decode matmuls stream at 19.7 GB/s that way, 24.9 GB/s spread; a
-                    // four-row verify costs 1.80 decode steps without these prefetches, 1.43
-                    // with them.
+                    // rows), where `prefetch::on`, streams the packed weights once: prefetch
+                    // three unit blocks ahead (past the unit's end too, into the next unit of
+                    // the same stream; prefetches never fault), one line per step, spread over
+                    // the block's arithmetic. Issued as one burst of 36 at the block's start,
+                    // they stall on the core's miss buffers and the arithmetic waits behind
+                    // them: Qwen's Q4_K decode matmuls stream at 19.7 GB/s that way, 24.9 GB/s
+                    // spread; a four-row verify costs 1.80 decode steps without these
+                    // prefetches, 1.43 with them.
                     let l = 8 * p + s;
                     _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * l).cast());
                     if l < LINES - 32 {
                         _mm_prefetch::<_MM_HINT_NTA>(
                             x.wrapping_add(PREFETCH + 64 * (32 + l)).cast(),
                         );
+                    }
+                    // Keeps the compiler from gathering the prefetches back into one burst.
+                    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+                }
+                if dense {
+                    // Every line of the unit block `SEED_AHEAD` bytes ahead into L2, one or two
+                    // a step as the stream does.
+                    let l = 8 * p + s;
+                    let ahead = x.wrapping_add(SEED_AHEAD + 64 * l);
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.cast());
+                    if l < LINES - 32 {
+                        _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * 32).cast());
                     }
                     // Keeps the compiler from gathering the prefetches back into one burst.
                     std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
