@@ -16,9 +16,11 @@
 //! time (benchmarks, tests). Invariant: a prefetch is a hint, so results never depend on the
 //! choice (the kernels' tests run both ways). The Q5_0 kernel prefetches on every CPU: on Zen 4
 //! Gemma-3's step was 0.9-1.7% shorter with them. Where the choice is off, Q4_K's GEMV flavour
-//! (one to four rows) still asks for one line per unit block far ahead, a seed for the hardware
-//! prefetcher rather than the stream (`SEED_AHEAD` in `q4k_x8`), and Q6_K's three- and four-row
-//! kernel streams anyway (`dot_unit_rows` in `q6k_x16`).
+//! (one or two rows) still asks for one line per unit block far ahead, a seed for the hardware
+//! prefetcher rather than the stream (`SEED_AHEAD` in `q4k_x8`); with three or four rows it asks
+//! for every line that far ahead into L2, as do Q6_K's kernel for two to four rows and Q8_0's for
+//! three and four (`dot_unit_rows` in `q6k_x16`, `q8_0_x16`): slower per byte than one row, they
+//! leave the hardware prefetcher behind.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 

@@ -27,6 +27,8 @@ const A_BSUMS: usize = 260;
 /// (Measured on AMD family 26. On Zen 4, where [`crate::kernels::cpu::prefetch::on`] is false,
 /// the kernel leaves the stream to the hardware prefetcher.)
 const PREFETCH: usize = 2 * BLOCK_BYTES;
+/// How far ahead [`dot_unit_rows`] prefetches into L2: six unit blocks (measured there).
+const ROWS_AHEAD: usize = 6 * BLOCK_BYTES;
 /// Cache lines of one unit block (53), prefetched seven per group `g` (the last three into the
 /// next block), one per step of its first seven.
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
@@ -130,12 +132,14 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
 ///
 /// Streaming: the kernel does about 130-180 cycles of multiplies a unit block per extra row
 /// (cache-resident, one core: 288 cycles a unit block for one row, 449, 579 and 762 for two,
-/// three and four), and with three or four rows the hardware prefetcher alone fell behind. A 191
-/// MB matrix on two threads, four runs of 9 reads in the low state (probe 26-28 GB/s,
-/// 2026-11-27): without, 15.1-18.8 GB/s for three rows and 13.1-15.7 for four; with
-/// `prefetchnta` [`PREFETCH`] bytes ahead, 16.8-20.5 and 15.8-19.1 (4000 and 10080 bytes ahead
-/// no better). Two rows read the same either way (18.1-21.1 against 19.0-21.0), so they leave
-/// the stream to the hardware.
+/// three and four), and from two rows on the hardware prefetcher alone falls behind. Qwen2.5-1.5B's
+/// row-invariant forwards of k tokens, alternated in one process (2026-11-27, paired ratios of
+/// forward times, 40-60 pairs a run): every line [`ROWS_AHEAD`] bytes ahead into L2 against
+/// `prefetchnta` two unit blocks ahead, three rows 0.904, four 0.915 (0.912 low state, 0.918
+/// high), eight 0.945; 6.7, 13.4 and 27 KB ahead 0.940, 0.928-0.929 and 0.952 at four. Two rows
+/// against none 0.921 and 0.896 (0.860 in 15 high-state pairs). (Before, the kernel alone on two
+/// threads: `prefetchnta` two blocks ahead 16.8-20.5 GB/s for three rows and 15.8-19.1 for four,
+/// none 15.1-18.8 and 13.1-15.7, probe 26-28.)
 ///
 /// # Safety
 /// As [`dot_unit`], with `a + r * stride` at `nb` Q8_K blocks for each `r < m`, `1 <= m <= 4`.
@@ -191,15 +195,15 @@ unsafe fn rows_m<const M: usize>(
                 let sp = _mm512_cvtepi8_epi16(_mm256_loadu_si256(x.add(SCALES + 32 * g).cast()));
                 let s = _mm512_shuffle_epi8(sp, dups[h]);
                 let c = x.add(QUANTS + 192 * (2 * g + h));
-                if M >= 3 {
-                    // Three and four rows are slow enough for the hardware prefetcher alone to
-                    // fall behind, even on Zen 4: two unit blocks ahead, four lines a chunk
-                    // (measured: [`dot_unit_rows`]).
+                if M >= 2 {
+                    // More than one row is slow enough for the hardware prefetcher alone to fall
+                    // behind, even on Zen 4: every line [`ROWS_AHEAD`] bytes ahead into L2, four
+                    // a chunk (measured: [`dot_unit_rows`]).
                     let k = 8 * h + g;
                     for i in 0..4 {
                         let l = 4 * k + i;
                         if l < LINES {
-                            _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * l).cast());
+                            _mm_prefetch::<_MM_HINT_T1>(x.wrapping_add(ROWS_AHEAD + 64 * l).cast());
                         }
                     }
                 }

@@ -26,6 +26,8 @@ use crate::kernels::cpu::x16::lanes::{self, Prep};
 /// (Measured on AMD family 26. On Zen 4, where [`crate::kernels::cpu::prefetch::on`] is false,
 /// the kernel leaves the stream to the hardware prefetcher.)
 const PREFETCH: usize = 8 * BLOCK_BYTES;
+/// How far ahead [`dot_unit_rows`] prefetches into L2: 32 unit blocks (17 KB; measured there).
+const ROWS_AHEAD: usize = 32 * BLOCK_BYTES;
 /// Cache lines of one unit block (8.5): one prefetched per lane, the last with the first lane's.
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
 const _: () = assert!(LINES == 9 && R == 16);
@@ -71,9 +73,14 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, pr: *const 
 /// preps, likewise), `out[r]` bit-identical to [`dot_unit`]'s for row `r` alone: the same lane
 /// integer and float step per block, the unit read once for all the rows.
 ///
-/// Three and four rows prefetch, as [`dot_unit`] does where `prefetch::on`: a 262144 × 640
-/// matrix on two threads (2026-11-27, low state, two runs of 5 reads), four rows read 11.6 and
-/// 12.4 GB/s without, 15.6-17.1 with; one and two rows 21.0-24.9 with, 22.8-28.3 without.
+/// Three and four rows prefetch every line into L2, [`ROWS_AHEAD`] bytes ahead, on every CPU: the
+/// hardware prefetcher alone falls behind there. A 262144 × 640 matrix on two threads (2026-11-27,
+/// low state, two runs of 5 reads): four rows 11.6 and 12.4 GB/s with none, 15.6-17.1 with
+/// `prefetchnta` eight blocks ahead; then Gemma-3 270M's row-invariant forwards, alternated in
+/// one process (paired ratios of forward times, 80-100 pairs), `T1` 32 blocks ahead against
+/// that: three rows 0.957, four 0.911 (0.909 low state, 0.915 high; 16 blocks ahead 0.920), eight
+/// 0.962. One and two rows read as fast with none (two rows `T1` 16 or 32 blocks ahead 1.021 and
+/// 0.999).
 ///
 /// # Safety
 /// As [`dot_unit`], for `m` rows of blocks and preps; `1 <= m <= 4`.
@@ -118,13 +125,12 @@ unsafe fn rows_m<const M: usize>(
             std::array::from_fn(|r| _mm512_mul_ps(dw, _mm512_set1_ps((*bp[r]).da)));
         for l in 0..8 {
             if M >= 3 {
-                // Three and four rows stream as `dot_unit` does where `prefetch::on`, on every
-                // CPU (see `dot_unit_rows`).
-                _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * l).cast());
+                // Three and four rows prefetch every line [`ROWS_AHEAD`] bytes ahead into L2 (see
+                // `dot_unit_rows`), one a lane, the last with the first lane's.
+                let ahead = x.wrapping_add(ROWS_AHEAD);
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * l).cast());
                 if l == 0 {
-                    _mm_prefetch::<_MM_HINT_NTA>(
-                        x.wrapping_add(PREFETCH + 64 * (LINES - 1)).cast(),
-                    );
+                    _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * (LINES - 1)).cast());
                 }
                 // Keeps the compiler from gathering the prefetches back into one burst.
                 std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
