@@ -149,6 +149,7 @@ fn matmul_quantized(
 }
 
 /// The x16 copy of a Q8_0 or Q5_0 matrix (packing it on first use) and its multi-row matmul.
+#[cfg(target_arch = "x86_64")]
 fn x16_blocks32<'a>(pool: &ThreadPool, w: &'a CpuWeight) -> Option<(&'a [u8], Blocks32Matmul)> {
     match w.ty {
         GgmlType::Q8_0 => w
@@ -159,6 +160,12 @@ fn x16_blocks32<'a>(pool: &ThreadPool, w: &'a CpuWeight) -> Option<(&'a [u8], Bl
             .map(|p| (p, q5_0_x16::matmul as Blocks32Matmul)),
         _ => None,
     }
+}
+
+/// No x16 copies off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+fn x16_blocks32<'a>(_: &ThreadPool, _: &'a CpuWeight) -> Option<(&'a [u8], Blocks32Matmul)> {
+    None
 }
 
 /// Output rows per unit of decode work: two x8-packed Q4_K groups (one unit of the wide layout).

@@ -10,6 +10,7 @@ use std::arch::x86_64::*;
 use super::{BLOCK_BYTES, FIFTH, NIBBLES, R};
 use crate::kernels::cpu::simd::avx512::{bcast32x16, ld2x256};
 use crate::kernels::cpu::x16::lanes::{self, Prep};
+use crate::kernels::cpu::x16::Block32RowsKernel;
 
 /// Bytes of one Q8_0 activation block.
 const A_BYTES: usize = 34;
@@ -25,6 +26,37 @@ const PREFETCH: usize = 16 * BLOCK_BYTES;
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
 const _: () = assert!(LINES <= 8 && R == 16);
 
+/// The value vectors of lanes `2p` and `2p + 1` of the unit block at `x` (`fifth`: its fifth
+/// bits): each plane nibble plus 16 where its fifth bit is set.
+///
+/// # Safety
+/// The AVX-512 level is available; `x` points at one unit block, `p < 4`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn lane_values(x: *const u8, fifth: __m512i, p: usize) -> [__m512i; 2] {
+    let m0f = _mm512_set1_epi8(0x0F);
+    let plane = ld2x256(x.add(NIBBLES + 64 * p));
+    let nib = [
+        _mm512_and_si512(plane, m0f),
+        _mm512_and_si512(_mm512_srli_epi16::<4>(plane), m0f),
+    ];
+    std::array::from_fn(|h| {
+        let bit = _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(1 << (2 * p + h)));
+        _mm512_mask_add_epi8(nib[h], bit, nib[h], _mm512_set1_epi8(16))
+    })
+}
+
+/// One prefetch of the stream, for lane `l` of the unit block at `x` (see [`PREFETCH`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn prefetch_lane(x: *const u8, l: usize) {
+    if l < LINES {
+        _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * l).cast());
+        // Keeps the compiler from gathering the prefetches back into one burst.
+        std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// Sixteen outputs (`o`) of one x16 unit (`w`: `nb` unit blocks) against one activation row
 /// (`a`: `nb` Q8_0 blocks, `pr`: their [`Prep`]s).
 ///
@@ -34,8 +66,6 @@ const _: () = assert!(LINES <= 8 && R == 16);
 #[allow(clippy::needless_range_loop)] // lanes index several arrays at once
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, pr: *const Prep, o: *mut f32) {
-    let m0f = _mm512_set1_epi8(0x0F);
-    let c16 = _mm512_set1_epi8(16);
     let mut f = [_mm512_setzero_ps(); 8];
     for b in 0..nb {
         let x = w.add(b * BLOCK_BYTES);
@@ -44,22 +74,12 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, pr: *const 
         let fifth = ld2x256(x.add(FIFTH));
         let mut acc = [_mm512_setzero_si512(); 8];
         for p in 0..4 {
-            let plane = ld2x256(x.add(NIBBLES + 64 * p));
-            let nib = [
-                _mm512_and_si512(plane, m0f),
-                _mm512_and_si512(_mm512_srli_epi16::<4>(plane), m0f),
-            ];
+            let v = lane_values(x, fifth, p);
             for h in 0..2 {
                 let l = 2 * p + h;
-                if l < LINES {
-                    _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * l).cast());
-                    // Keeps the compiler from gathering the prefetches back into one burst.
-                    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
-                }
-                let bit = _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(1 << l));
-                let v = _mm512_mask_add_epi8(nib[h], bit, nib[h], c16);
+                prefetch_lane(x, l);
                 let start = _mm512_set1_epi32(bp.starts[l]);
-                acc[l] = _mm512_dpbusd_epi32(start, v, bcast32x16(ya.add(2 + 4 * l)));
+                acc[l] = _mm512_dpbusd_epi32(start, v[h], bcast32x16(ya.add(2 + 4 * l)));
             }
         }
         lanes::fold(&mut f, x, bp.da, &acc);
@@ -67,79 +87,30 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, pr: *const 
     lanes::store(&f, o);
 }
 
-/// Sixteen outputs of one x16 unit (`w`: `nb` unit blocks) against each of `m` (1..=4)
-/// activation rows (`a`: the first row's `nb` Q8_0 blocks, the others following; `pr`: their
-/// preps, likewise), `out[r]` bit-identical to [`dot_unit`]'s for row `r` alone: the same lane
-/// integer and float step per block, the unit read (and its values built) once for all the rows.
-///
-/// # Safety
-/// As [`dot_unit`], for `m` rows of blocks and preps; `1 <= m <= 4`.
-pub(super) unsafe fn dot_unit_rows(
-    nb: usize,
-    w: *const u8,
-    a: *const u8,
-    pr: *const Prep,
-    m: usize,
-    out: &mut [[f32; R]; 4],
-) {
-    match m {
-        4 => rows_m::<4>(nb, w, a, pr, out),
-        3 => rows_m::<3>(nb, w, a, pr, out),
-        2 => rows_m::<2>(nb, w, a, pr, out),
-        _ => rows_m::<1>(nb, w, a, pr, out),
-    }
-}
+/// Q5_0's kernels for one to four rows (`lanes::rows_kernel`).
+pub(super) const ROWS: [Block32RowsKernel; 4] = lanes::rows_kernels::<Q5_0>();
 
-/// [`dot_unit_rows`] for `M` rows, prefetching as [`dot_unit`] does, in the unit's order (the
-/// activation blocks' scales and lane starts read where they are, as in Q8_0's).
-///
-/// # Safety
-/// As [`dot_unit_rows`] with `m = M`.
-#[allow(clippy::needless_range_loop)] // rows and lanes index several arrays at once
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn rows_m<const M: usize>(
-    nb: usize,
-    w: *const u8,
-    a: *const u8,
-    pr: *const Prep,
-    out: &mut [[f32; R]; 4],
-) {
-    let m0f = _mm512_set1_epi8(0x0F);
-    let c16 = _mm512_set1_epi8(16);
-    let mut f = [[_mm512_setzero_ps(); 8]; M];
-    for b in 0..nb {
-        let x = w.add(b * BLOCK_BYTES);
-        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(x.cast()));
-        let bp: [*const Prep; M] = std::array::from_fn(|r| pr.add(r * nb + b));
-        // `lanes::fold`'s step, d_w · d_a, per row.
-        let d: [__m512; M] =
-            std::array::from_fn(|r| _mm512_mul_ps(dw, _mm512_set1_ps((*bp[r]).da)));
+/// Q5_0's unit block for the multi-row kernels: its values built once for all the rows,
+/// prefetching as [`dot_unit`] does.
+struct Q5_0;
+
+impl lanes::FoldBlock for Q5_0 {
+    const BLOCK_BYTES: usize = BLOCK_BYTES;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn fold_block<const M: usize>(
+        x: *const u8,
+        rows: &lanes::RowsAt<M>,
+        f: &mut [[__m512; 8]; M],
+    ) {
         let fifth = ld2x256(x.add(FIFTH));
         for p in 0..4 {
-            let plane = ld2x256(x.add(NIBBLES + 64 * p));
-            let nib = [
-                _mm512_and_si512(plane, m0f),
-                _mm512_and_si512(_mm512_srli_epi16::<4>(plane), m0f),
-            ];
-            for h in 0..2 {
-                let l = 2 * p + h;
-                if l < LINES {
-                    _mm_prefetch::<_MM_HINT_NTA>(x.wrapping_add(PREFETCH + 64 * l).cast());
-                    // Keeps the compiler from gathering the prefetches back into one burst.
-                    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
-                }
-                let bit = _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(1 << l));
-                let v = _mm512_mask_add_epi8(nib[h], bit, nib[h], c16);
-                for r in 0..M {
-                    let ya = a.add((r * nb + b) * A_BYTES);
-                    let start = _mm512_set1_epi32((*bp[r]).starts[l]);
-                    let acc = _mm512_dpbusd_epi32(start, v, bcast32x16(ya.add(2 + 4 * l)));
-                    f[r][l] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(acc), f[r][l]);
-                }
+            let v = lane_values(x, fifth, p);
+            for (h, &vh) in v.iter().enumerate() {
+                prefetch_lane(x, 2 * p + h);
+                rows.fold_lane(f, 2 * p + h, vh);
             }
         }
-    }
-    for r in 0..M {
-        lanes::store(&f[r], out[r].as_mut_ptr());
     }
 }

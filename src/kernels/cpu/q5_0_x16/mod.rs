@@ -118,22 +118,12 @@ pub fn pack_into(pool: &ThreadPool, src: &[u8], rows: usize, cols: usize, out: &
 
 /// `n` Q8_0 activation rows (`xq`: rows of `cols / 32` blocks, codes within ±127) against a whole
 /// packed matrix `w`: `out[t * rows + i]` = activation row `t` · packed row `i`, each as [`gemv`]
-/// computes it for that row alone (`x16::matmul_blocks32`).
+/// computes it for that row alone (`x16::matmul_blocks32`). Only at the AVX-512 level, which the
+/// layout is only packed at.
+#[cfg(target_arch = "x86_64")]
 pub fn matmul(pool: &ThreadPool, cols: usize, w: &[u8], xq: &[u8], n: usize, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    crate::kernels::cpu::x16::matmul_blocks32(
-        pool,
-        (cols, W_BYTES, n),
-        w,
-        xq,
-        out,
-        (avx512::dot_unit_rows, 16),
-    );
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (pool, cols, w, xq, n, out);
-        unreachable!("the x16 layout is only packed at the AVX-512 level");
-    }
+    let shape = (cols, W_BYTES, n);
+    crate::kernels::cpu::x16::matmul_blocks32(pool, shape, w, xq, out, (&avx512::ROWS, 16));
 }
 
 /// One Q8_0 activation row (`xq`: `cols / 32` blocks, codes within ±127) against the x16 units in

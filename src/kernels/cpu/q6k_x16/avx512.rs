@@ -27,12 +27,37 @@ const A_BSUMS: usize = 260;
 /// (Measured on AMD family 26. On Zen 4, where [`crate::kernels::cpu::prefetch::on`] is false,
 /// the kernel leaves the stream to the hardware prefetcher.)
 const PREFETCH: usize = 2 * BLOCK_BYTES;
-/// How far ahead [`dot_unit_rows`] prefetches into L2: six unit blocks (measured there).
+/// How far ahead [`rows_m`] prefetches into L2: six unit blocks (measured there).
 const ROWS_AHEAD: usize = 6 * BLOCK_BYTES;
 /// Cache lines of one unit block (53), prefetched seven per group `g` (the last three into the
 /// next block), one per step of its first seven.
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
 const _: () = assert!(LINES <= 8 * 7 && R == 16);
+
+/// The four vectors `V_0..V_3` (values 0..64, byte `4r + e`) of the 192-byte chunk at `c`, as
+/// [`super::unpack_chunk`] spells them out.
+///
+/// # Safety
+/// The AVX-512 level is available; `c` points at one chunk.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn values(c: *const u8) -> [__m512i; 4] {
+    let lo = |v: __m512i| _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+    let top = |v: __m512i| _mm512_and_si512(v, _mm512_set1_epi8(0x30));
+    let (zl1, zl2, zh) = (ld2x256(c), ld2x256(c.add(64)), ld2x256(c.add(128)));
+    [
+        _mm512_or_si512(lo(zl1), top(zh)),
+        _mm512_or_si512(
+            lo(_mm512_srli_epi16::<4>(zl1)),
+            top(_mm512_slli_epi16::<2>(zh)),
+        ),
+        _mm512_or_si512(lo(zl2), top(_mm512_slli_epi16::<4>(zh))),
+        _mm512_or_si512(
+            lo(_mm512_srli_epi16::<4>(zl2)),
+            top(_mm512_srli_epi16::<2>(zh)),
+        ),
+    ]
+}
 
 /// Sixteen outputs (`out`) of one x16 unit (`w`: `nb` unit blocks) against one activation row
 /// (`a`: `nb` Q8_K blocks).
@@ -43,8 +68,6 @@ const _: () = assert!(LINES <= 8 * 7 && R == 16);
 #[allow(clippy::needless_range_loop)] // lanes index several arrays at once
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f32) {
-    let m0f = _mm512_set1_epi8(0x0F);
-    let m30 = _mm512_set1_epi8(0x30);
     // `vpshufb` controls (per 128-bit lane) copying each dword's low word, or its high word, to
     // both of its words.
     let dup = |w: i32| {
@@ -68,21 +91,7 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
             ];
             for h in 0..2 {
                 let c = x.add(QUANTS + 192 * (2 * g + h));
-                let (zl1, zl2, zh) = (ld2x256(c), ld2x256(c.add(64)), ld2x256(c.add(128)));
-                let lo = |v: __m512i| _mm512_and_si512(v, m0f);
-                let top = |v: __m512i| _mm512_and_si512(v, m30);
-                let v = [
-                    _mm512_or_si512(lo(zl1), top(zh)),
-                    _mm512_or_si512(
-                        lo(_mm512_srli_epi16::<4>(zl1)),
-                        top(_mm512_slli_epi16::<2>(zh)),
-                    ),
-                    _mm512_or_si512(lo(zl2), top(_mm512_slli_epi16::<4>(zh))),
-                    _mm512_or_si512(
-                        lo(_mm512_srli_epi16::<4>(zl2)),
-                        top(_mm512_srli_epi16::<2>(zh)),
-                    ),
-                ];
+                let v = values(c);
                 for j in 0..4 {
                     let l = 4 * h + j;
                     if stream && l < 7 {
@@ -125,7 +134,13 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
     _mm512_storeu_ps(out, sum);
 }
 
-/// Sixteen outputs of one x16 unit (`w`: `nb` unit blocks) against each of `m` (1..=4)
+/// The multi-row kernels for one to four rows, `ROWS[m - 1]` (see [`rows_m`]).
+pub(super) const ROWS: [RowsKernel; 4] = [rows_m::<1>, rows_m::<2>, rows_m::<3>, rows_m::<4>];
+
+/// A multi-row kernel: `(nb, unit, first activation row, activation row stride, outputs)`.
+pub(super) type RowsKernel = unsafe fn(usize, *const u8, *const u8, usize, &mut [[f32; R]; 4]);
+
+/// Sixteen outputs of one x16 unit (`w`: `nb` unit blocks) against each of `M` (1..=4)
 /// activation rows `a + r * stride` (`out[r]`), every one bit-identical to [`dot_unit`]'s for that
 /// row alone: the row-invariant verify and the small batches below the GEMM's eight rows read the
 /// unit once for all their rows.
@@ -141,31 +156,12 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
 /// threads: `prefetchnta` two blocks ahead 16.8-20.5 GB/s for three rows and 15.8-19.1 for four,
 /// none 15.1-18.8 and 13.1-15.7, probe 26-28.)
 ///
-/// # Safety
-/// As [`dot_unit`], with `a + r * stride` at `nb` Q8_K blocks for each `r < m`, `1 <= m <= 4`.
-pub(super) unsafe fn dot_unit_rows(
-    nb: usize,
-    w: *const u8,
-    a: *const u8,
-    stride: usize,
-    m: usize,
-    out: &mut [[f32; R]; 4],
-) {
-    match m {
-        4 => rows_m::<4>(nb, w, a, stride, out),
-        3 => rows_m::<3>(nb, w, a, stride, out),
-        2 => rows_m::<2>(nb, w, a, stride, out),
-        _ => rows_m::<1>(nb, w, a, stride, out),
-    }
-}
-
-/// [`dot_unit_rows`] for `M` rows. The integer lanes are [`dot_unit`]'s, summed in another order
-/// (one half `h` of every group at a time, so that `4 M` accumulators are live, not `8 M`):
-/// wrapping integer sums do not depend on the order, and the float steps per block and lane and
-/// the final sum are the same.
+/// The integer lanes are [`dot_unit`]'s, summed in another order (one half `h` of every group at a
+/// time, so that `4 M` accumulators are live, not `8 M`): wrapping integer sums do not depend on
+/// the order, and the float steps per block and lane and the final sum are the same.
 ///
 /// # Safety
-/// As [`dot_unit_rows`] with `m = M`.
+/// As [`dot_unit`], with `a + r * stride` at `nb` Q8_K blocks for each `r < M`.
 #[allow(clippy::needless_range_loop)] // rows and lanes index several arrays at once
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn rows_m<const M: usize>(
@@ -175,8 +171,6 @@ unsafe fn rows_m<const M: usize>(
     stride: usize,
     out: &mut [[f32; R]; 4],
 ) {
-    let m0f = _mm512_set1_epi8(0x0F);
-    let m30 = _mm512_set1_epi8(0x30);
     let dup = |w: i32| {
         let d = |k: i32| (4 * k + 2 * w) | ((4 * k + 2 * w + 1) << 8);
         let v = |k: i32| d(k) | (d(k) << 16);
@@ -198,7 +192,7 @@ unsafe fn rows_m<const M: usize>(
                 if M >= 2 {
                     // More than one row is slow enough for the hardware prefetcher alone to fall
                     // behind, even on Zen 4: every line [`ROWS_AHEAD`] bytes ahead into L2, four
-                    // a chunk (measured: [`dot_unit_rows`]).
+                    // a chunk (measured: [`rows_m`]).
                     let k = 8 * h + g;
                     for i in 0..4 {
                         let l = 4 * k + i;
@@ -207,21 +201,7 @@ unsafe fn rows_m<const M: usize>(
                         }
                     }
                 }
-                let (zl1, zl2, zh) = (ld2x256(c), ld2x256(c.add(64)), ld2x256(c.add(128)));
-                let lo = |v: __m512i| _mm512_and_si512(v, m0f);
-                let top = |v: __m512i| _mm512_and_si512(v, m30);
-                let v = [
-                    _mm512_or_si512(lo(zl1), top(zh)),
-                    _mm512_or_si512(
-                        lo(_mm512_srli_epi16::<4>(zl1)),
-                        top(_mm512_slli_epi16::<2>(zh)),
-                    ),
-                    _mm512_or_si512(lo(zl2), top(_mm512_slli_epi16::<4>(zh))),
-                    _mm512_or_si512(
-                        lo(_mm512_srli_epi16::<4>(zl2)),
-                        top(_mm512_srli_epi16::<2>(zh)),
-                    ),
-                ];
+                let v = values(c);
                 for r in 0..M {
                     for j in 0..4 {
                         let y = bcast32x16(ya[r].add(A_QS + 32 * g + 4 * (4 * h + j)));

@@ -196,27 +196,15 @@ pub fn matmul(
     assert_eq!(xq.len(), n * a_row, "activation bytes");
     assert_eq!(out.len(), n * rows, "output size");
     #[cfg(target_arch = "x86_64")]
-    {
-        let dst = crate::kernels::cpu::SharedMut(out.as_mut_ptr());
-        pool.for_range(rows / R, 4, |range| {
-            let mut res = [[0f32; R]; 4];
-            for u in range {
-                for t0 in (0..n).step_by(4) {
-                    let m = (n - t0).min(4);
-                    // SAFETY: the AVX-512 level is available (`applies`); unit `u` lies inside
-                    // `packed` and rows t0..t0 + m inside `xq` (both checked above).
-                    unsafe {
-                        let w = packed.as_ptr().add(u * unit);
-                        let a = xq.as_ptr().add(t0 * a_row);
-                        avx512::dot_unit_rows(nb, w, a, a_row, m, &mut res);
-                    }
-                    // SAFETY: rows t0..t0 + m < n and columns u * 16..(u + 1) * 16 <= rows are
-                    // inside `out` (n * rows); unit u belongs to this chunk only.
-                    unsafe { dst.store_tile(rows, t0, u * R, &res[..m], R) };
-                }
-            }
-        });
-    }
+    crate::kernels::cpu::x16::unit_rows(pool, n, out, |u, t0, m, res| {
+        // SAFETY: the AVX-512 level is available (`applies`); unit `u` lies inside `packed` and
+        // rows t0..t0 + m inside `xq` (both checked above).
+        unsafe {
+            let w = packed.as_ptr().add(u * unit);
+            let a = xq.as_ptr().add(t0 * a_row);
+            avx512::ROWS[m - 1](nb, w, a, a_row, res);
+        }
+    });
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (pool, nb, unit, a_row);

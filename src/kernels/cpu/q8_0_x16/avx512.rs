@@ -9,6 +9,7 @@ use std::arch::x86_64::*;
 use super::{BLOCK_BYTES, R, VALUES, W_BYTES};
 use crate::kernels::cpu::simd::avx512::{bcast32x16, ld2x256};
 use crate::kernels::cpu::x16::lanes::{self, Prep};
+use crate::kernels::cpu::x16::Block32RowsKernel;
 
 /// How far ahead decode prefetches, in bytes: eight unit blocks (4.3 KB), with the non-temporal
 /// hint (`prefetchnta`). Gemma-3 270M's 178 MB head alone, alternated in one process: with `T0`
@@ -26,7 +27,7 @@ use crate::kernels::cpu::x16::lanes::{self, Prep};
 /// (Measured on AMD family 26. On Zen 4, where [`crate::kernels::cpu::prefetch::on`] is false,
 /// the kernel leaves the stream to the hardware prefetcher.)
 const PREFETCH: usize = 8 * BLOCK_BYTES;
-/// How far ahead [`dot_unit_rows`] prefetches into L2: 32 unit blocks (17 KB; measured there).
+/// How far ahead [`rows_m`] prefetches into L2: 32 unit blocks (17 KB; measured there).
 const ROWS_AHEAD: usize = 32 * BLOCK_BYTES;
 /// Cache lines of one unit block (8.5): one prefetched per lane, the last with the first lane's.
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
@@ -68,65 +69,33 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, pr: *const 
     lanes::store(&f, o);
 }
 
-/// Sixteen outputs of one x16 unit (`w`: `nb` unit blocks) against each of `m` (1..=4)
-/// activation rows (`a`: the first row's `nb` Q8_0 blocks, the others following; `pr`: their
-/// preps, likewise), `out[r]` bit-identical to [`dot_unit`]'s for row `r` alone: the same lane
-/// integer and float step per block, the unit read once for all the rows.
-///
-/// Three and four rows prefetch every line into L2, [`ROWS_AHEAD`] bytes ahead, on every CPU: the
-/// hardware prefetcher alone falls behind there. A 262144 × 640 matrix on two threads (2026-11-27,
-/// low state, two runs of 5 reads): four rows 11.6 and 12.4 GB/s with none, 15.6-17.1 with
-/// `prefetchnta` eight blocks ahead; then Gemma-3 270M's row-invariant forwards, alternated in
-/// one process (paired ratios of forward times, 80-100 pairs), `T1` 32 blocks ahead against
-/// that: three rows 0.957, four 0.911 (0.909 low state, 0.915 high; 16 blocks ahead 0.920), eight
-/// 0.962. One and two rows read as fast with none (two rows `T1` 16 or 32 blocks ahead 1.021 and
-/// 0.999).
-///
-/// # Safety
-/// As [`dot_unit`], for `m` rows of blocks and preps; `1 <= m <= 4`.
-pub(super) unsafe fn dot_unit_rows(
-    nb: usize,
-    w: *const u8,
-    a: *const u8,
-    pr: *const Prep,
-    m: usize,
-    out: &mut [[f32; R]; 4],
-) {
-    match m {
-        4 => rows_m::<4>(nb, w, a, pr, out),
-        3 => rows_m::<3>(nb, w, a, pr, out),
-        2 => rows_m::<2>(nb, w, a, pr, out),
-        _ => rows_m::<1>(nb, w, a, pr, out),
-    }
-}
+/// Q8_0's kernels for one to four rows (`lanes::rows_kernel`).
+pub(super) const ROWS: [Block32RowsKernel; 4] = lanes::rows_kernels::<Q8_0>();
 
-/// [`dot_unit_rows`] for `M` rows, in the unit's order (the activation blocks' scales and lane
-/// starts are read where they are: copied into locals first, the starts reached the vectors
-/// through general registers, and four rows in cache ran at 15.8 GB/s on one core instead of
-/// 25.9).
-///
-/// # Safety
-/// As [`dot_unit_rows`] with `m = M`.
-#[allow(clippy::needless_range_loop)] // rows and lanes index several arrays at once
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn rows_m<const M: usize>(
-    nb: usize,
-    w: *const u8,
-    a: *const u8,
-    pr: *const Prep,
-    out: &mut [[f32; R]; 4],
-) {
-    let mut f = [[_mm512_setzero_ps(); 8]; M];
-    for b in 0..nb {
-        let x = w.add(b * BLOCK_BYTES);
-        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(x.cast()));
-        let bp: [*const Prep; M] = std::array::from_fn(|r| pr.add(r * nb + b));
-        let d: [__m512; M] =
-            std::array::from_fn(|r| _mm512_mul_ps(dw, _mm512_set1_ps((*bp[r]).da)));
+/// Q8_0's unit block for the multi-row kernels.
+struct Q8_0;
+
+impl lanes::FoldBlock for Q8_0 {
+    const BLOCK_BYTES: usize = BLOCK_BYTES;
+
+    /// Three and four rows prefetch every line into L2, [`ROWS_AHEAD`] bytes ahead, on every CPU: the
+    /// hardware prefetcher alone falls behind there. A 262144 × 640 matrix on two threads (2026-11-27,
+    /// low state, two runs of 5 reads): four rows 11.6 and 12.4 GB/s with none, 15.6-17.1 with
+    /// `prefetchnta` eight blocks ahead; then Gemma-3 270M's row-invariant forwards, alternated in
+    /// one process (paired ratios of forward times, 80-100 pairs), `T1` 32 blocks ahead against
+    /// that: three rows 0.957, four 0.911 (0.909 low state, 0.915 high; 16 blocks ahead 0.920), eight
+    /// 0.962. One and two rows read as fast with none (two rows `T1` 16 or 32 blocks ahead 1.021 and
+    /// 0.999).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn fold_block<const M: usize>(
+        x: *const u8,
+        rows: &lanes::RowsAt<M>,
+        f: &mut [[__m512; 8]; M],
+    ) {
         for l in 0..8 {
             if M >= 3 {
-                // Three and four rows prefetch every line [`ROWS_AHEAD`] bytes ahead into L2 (see
-                // `dot_unit_rows`), one a lane, the last with the first lane's.
+                // One line a lane, the last with the first lane's (measured: this function's doc).
                 let ahead = x.wrapping_add(ROWS_AHEAD);
                 _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * l).cast());
                 if l == 0 {
@@ -135,16 +104,7 @@ unsafe fn rows_m<const M: usize>(
                 // Keeps the compiler from gathering the prefetches back into one burst.
                 std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
             }
-            let v = ld2x256(x.add(VALUES + 64 * l));
-            for r in 0..M {
-                let ya = a.add((r * nb + b) * W_BYTES);
-                let start = _mm512_set1_epi32((*bp[r]).starts[l]);
-                let acc = _mm512_dpbusd_epi32(start, v, bcast32x16(ya.add(2 + 4 * l)));
-                f[r][l] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(acc), f[r][l]);
-            }
+            rows.fold_lane(f, l, ld2x256(x.add(VALUES + 64 * l)));
         }
-    }
-    for r in 0..M {
-        lanes::store(&f[r], out[r].as_mut_ptr());
     }
 }
