@@ -19,8 +19,8 @@
 //! (one or two rows) still asks for one line per unit block far ahead, a seed for the hardware
 //! prefetcher rather than the stream (`SEED_AHEAD` in `q4k_x8`); with three or four rows it asks
 //! for every line that far ahead into L2, as do Q6_K's kernel for two to four rows and Q8_0's for
-//! three and four (`rows_m` in `q6k_x16`, `q8_0_x16`): slower per byte than one row, they
-//! leave the hardware prefetcher behind.
+//! three and four (`rows_m` in `q6k_x16`, `Q8_0::fold_block` in `q8_0_x16`): slower per byte
+//! than one row, they leave the hardware prefetcher behind.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 

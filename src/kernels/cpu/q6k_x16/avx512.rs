@@ -13,6 +13,7 @@ use std::arch::x86_64::*;
 use super::{BLOCK_BYTES, QUANTS, R, SCALES};
 use crate::kernels::cpu::simd::avx2::rd_f32;
 use crate::kernels::cpu::simd::avx512::{bcast32x16, ld2x256};
+use crate::kernels::cpu::x16::lanes;
 
 /// Bytes of one Q8_K activation block, and where its values and its 16-value sums start.
 const A_BYTES: usize = 292;
@@ -59,6 +60,19 @@ unsafe fn values(c: *const u8) -> [__m512i; 4] {
     ]
 }
 
+/// `vpshufb` controls (per 128-bit lane) copying each dword's low word (`[0]`), or its high word
+/// (`[1]`), to both of its words: a scale pair `(s[2g], s[2g + 1])` to `(s[2g + h], s[2g + h])`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn scale_dups() -> [__m512i; 2] {
+    std::array::from_fn(|h| {
+        let h = h as i32;
+        let d = |k: i32| (4 * k + 2 * h) | ((4 * k + 2 * h + 1) << 8);
+        let v = |k: i32| d(k) | (d(k) << 16);
+        _mm512_set4_epi32(v(3), v(2), v(1), v(0))
+    })
+}
+
 /// Sixteen outputs (`out`) of one x16 unit (`w`: `nb` unit blocks) against one activation row
 /// (`a`: `nb` Q8_K blocks).
 ///
@@ -68,14 +82,7 @@ unsafe fn values(c: *const u8) -> [__m512i; 4] {
 #[allow(clippy::needless_range_loop)] // lanes index several arrays at once
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f32) {
-    // `vpshufb` controls (per 128-bit lane) copying each dword's low word, or its high word, to
-    // both of its words.
-    let dup = |w: i32| {
-        let d = |k: i32| (4 * k + 2 * w) | ((4 * k + 2 * w + 1) << 8);
-        let v = |k: i32| d(k) | (d(k) << 16);
-        _mm512_set4_epi32(v(3), v(2), v(1), v(0))
-    };
-    let (dup_lo, dup_hi) = (dup(0), dup(1));
+    let [dup_lo, dup_hi] = scale_dups();
     let neg32 = _mm512_set1_epi16(-32);
     let mut f = [_mm512_setzero_ps(); 8];
     let stream = crate::kernels::cpu::prefetch::on();
@@ -128,10 +135,7 @@ pub(super) unsafe fn dot_unit(nb: usize, w: *const u8, a: *const u8, out: *mut f
             f[l] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(acc[l]), f[l]);
         }
     }
-    // `hsum_float_8`'s order, every row at once: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-    let r: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(f[i + 4], f[i]));
-    let sum = _mm512_add_ps(_mm512_add_ps(r[0], r[2]), _mm512_add_ps(r[1], r[3]));
-    _mm512_storeu_ps(out, sum);
+    lanes::store(&f, out);
 }
 
 /// The multi-row kernels for one to four rows, `ROWS[m - 1]` (see [`rows_m`]).
@@ -171,12 +175,7 @@ unsafe fn rows_m<const M: usize>(
     stride: usize,
     out: &mut [[f32; R]; 4],
 ) {
-    let dup = |w: i32| {
-        let d = |k: i32| (4 * k + 2 * w) | ((4 * k + 2 * w + 1) << 8);
-        let v = |k: i32| d(k) | (d(k) << 16);
-        _mm512_set4_epi32(v(3), v(2), v(1), v(0))
-    };
-    let dups = [dup(0), dup(1)];
+    let dups = scale_dups();
     let neg32 = _mm512_set1_epi16(-32);
     let mut f = [[_mm512_setzero_ps(); 8]; M];
     for b in 0..nb {
@@ -192,7 +191,7 @@ unsafe fn rows_m<const M: usize>(
                 if M >= 2 {
                     // More than one row is slow enough for the hardware prefetcher alone to fall
                     // behind, even on Zen 4: every line [`ROWS_AHEAD`] bytes ahead into L2, four
-                    // a chunk (measured: [`rows_m`]).
+                    // a chunk (measured: this function's doc).
                     let k = 8 * h + g;
                     for i in 0..4 {
                         let l = 4 * k + i;
@@ -229,10 +228,7 @@ unsafe fn rows_m<const M: usize>(
             }
         }
     }
-    for r in 0..M {
-        let f = &f[r];
-        let q: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(f[i + 4], f[i]));
-        let sum = _mm512_add_ps(_mm512_add_ps(q[0], q[2]), _mm512_add_ps(q[1], q[3]));
-        _mm512_storeu_ps(out[r].as_mut_ptr(), sum);
+    for (f, o) in f.iter().zip(out.iter_mut()) {
+        lanes::store(f, o.as_mut_ptr());
     }
 }

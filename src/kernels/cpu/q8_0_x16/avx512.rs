@@ -27,7 +27,8 @@ use crate::kernels::cpu::x16::Block32RowsKernel;
 /// (Measured on AMD family 26. On Zen 4, where [`crate::kernels::cpu::prefetch::on`] is false,
 /// the kernel leaves the stream to the hardware prefetcher.)
 const PREFETCH: usize = 8 * BLOCK_BYTES;
-/// How far ahead [`rows_m`] prefetches into L2: 32 unit blocks (17 KB; measured there).
+/// How far ahead the multi-row kernels prefetch into L2: 32 unit blocks (17 KB; measured at
+/// `Q8_0::fold_block`).
 const ROWS_AHEAD: usize = 32 * BLOCK_BYTES;
 /// Cache lines of one unit block (8.5): one prefetched per lane, the last with the first lane's.
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
@@ -78,14 +79,14 @@ struct Q8_0;
 impl lanes::FoldBlock for Q8_0 {
     const BLOCK_BYTES: usize = BLOCK_BYTES;
 
-    /// Three and four rows prefetch every line into L2, [`ROWS_AHEAD`] bytes ahead, on every CPU: the
-    /// hardware prefetcher alone falls behind there. A 262144 × 640 matrix on two threads (2026-11-27,
-    /// low state, two runs of 5 reads): four rows 11.6 and 12.4 GB/s with none, 15.6-17.1 with
-    /// `prefetchnta` eight blocks ahead; then Gemma-3 270M's row-invariant forwards, alternated in
-    /// one process (paired ratios of forward times, 80-100 pairs), `T1` 32 blocks ahead against
-    /// that: three rows 0.957, four 0.911 (0.909 low state, 0.915 high; 16 blocks ahead 0.920), eight
-    /// 0.962. One and two rows read as fast with none (two rows `T1` 16 or 32 blocks ahead 1.021 and
-    /// 0.999).
+    /// Three and four rows prefetch every line into L2, [`ROWS_AHEAD`] bytes ahead, on every
+    /// CPU: the hardware prefetcher alone falls behind there. A 262144 × 640 matrix on two
+    /// threads (2026-11-27, low state, two runs of 5 reads): four rows 11.6 and 12.4 GB/s with
+    /// none, 15.6-17.1 with `prefetchnta` eight blocks ahead; then Gemma-3 270M's row-invariant
+    /// forwards, alternated in one process (paired ratios of forward times, 80-100 pairs), `T1`
+    /// 32 blocks ahead against that: three rows 0.957, four 0.911 (0.909 low state, 0.915 high;
+    /// 16 blocks ahead 0.920), eight 0.962. One and two rows read as fast with none (two rows
+    /// `T1` 16 or 32 blocks ahead 1.021 and 0.999).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn fold_block<const M: usize>(
