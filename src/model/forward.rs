@@ -91,20 +91,30 @@ impl<B: Backend> Model<B> {
         let mut gate = be.act(n, ff); // (n, n_ff)
         let mut up = be.act(n, ff);
 
+        let mut by_window: Vec<(Option<u32>, Vec<AttnQuery<'_>>)> = Vec::new();
         for (il, (lw, lc)) in w.layers.iter().zip(&cfg.layers).take(layers).enumerate() {
             // attention block
             be.rms_norm(&x, &lw.attn_norm, cfg.norm_eps, &mut h);
-            let queries: Vec<AttnQuery<'_>> = batch
-                .iter()
-                .map(|e| AttnQuery {
-                    block_table: e.block_table,
-                    pos: e.pos,
-                    lo: match lc.window {
-                        Some(win) => (e.pos + 1).saturating_sub(win),
-                        None => 0,
-                    },
-                })
-                .collect();
+            // The queries of each distinct window, built once a forward (not once a layer).
+            let wi = match by_window.iter().position(|(w, _)| *w == lc.window) {
+                Some(i) => i,
+                None => {
+                    let qs = batch
+                        .iter()
+                        .map(|e| AttnQuery {
+                            block_table: e.block_table,
+                            pos: e.pos,
+                            lo: match lc.window {
+                                Some(win) => (e.pos + 1).saturating_sub(win),
+                                None => 0,
+                            },
+                        })
+                        .collect();
+                    by_window.push((lc.window, qs));
+                    by_window.len() - 1
+                }
+            };
+            let queries: &[AttnQuery<'_>] = &by_window[wi].1;
             let shape = AttnShape {
                 n_head: cfg.n_head,
                 n_head_kv: cfg.n_head_kv,
@@ -139,7 +149,7 @@ impl<B: Backend> Model<B> {
                     let at = AttnBatch {
                         positions: &positions,
                         slots: &slots,
-                        queries: &queries,
+                        queries,
                         shape,
                     };
                     let s = AttnScratch {
@@ -156,7 +166,7 @@ impl<B: Backend> Model<B> {
                         be.scale(&mut q, cfg.attn_scale);
                     }
                     be.kv_write(kv, il, &k, &v, &slots);
-                    be.attention(&q, kv, il, &queries, shape, &mut attn);
+                    be.attention(&q, kv, il, queries, shape, &mut attn);
                     be.matmul(&lw.wo, &mla::values(be, cfg, m, &attn), None, &mut o);
                 }
                 (Attn::Mha(_), Some(_)) => bail!("plain attention weights with MLA dimensions"),

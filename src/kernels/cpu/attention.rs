@@ -323,7 +323,7 @@ pub fn attention(
     // The tiled kernel reads widened copies: each sequence's keys and values once (queries of one
     // sequence share a block table). The other paths read the f16 cache in place.
     let mut seqs: Vec<(usize, SeqKv)> = Vec::new();
-    let mut seq_of = Vec::with_capacity(queries.len());
+    let mut seq_of = Vec::with_capacity(if tiled { queries.len() } else { 0 });
     for qa in queries.iter().filter(|_| tiled) {
         let id = qa.block_table.as_ptr() as usize;
         let idx = match seqs.iter().position(|(t, _)| *t == id) {
@@ -404,7 +404,15 @@ pub fn attention(
     };
     let threads = pool.n_threads();
     let total: usize = (0..units).map(cost).sum();
-    let mut cuts = vec![units; threads + 1];
+    // On the stack for up to 16 threads: no allocation between two decode regions.
+    let mut stack = [units; 17];
+    let mut heap = Vec::new();
+    let cuts: &mut [usize] = if threads < stack.len() {
+        &mut stack[..=threads]
+    } else {
+        heap.resize(threads + 1, units);
+        &mut heap
+    };
     cuts[0] = 0;
     let (mut behind, mut t) = (0, 1);
     for u in 0..units {

@@ -552,6 +552,12 @@ fn dot_f16(x: &[f32], y: &[f16], isa: GgmlIsa) -> f32 {
         // as long as the query row `x`.
         return unsafe { f16c::dot(x, y, isa) };
     }
+    // Widened on the stack for heads up to 512 values (no allocation per scored position).
+    let mut buf = [0f32; 512];
+    if let Some(w) = buf.get_mut(..y.len()) {
+        w.iter_mut().zip(y).for_each(|(w, v)| *w = v.to_f32());
+        return dot_f16_wide(x, w, isa);
+    }
     let y: Vec<f32> = y.iter().map(|v| v.to_f32()).collect();
     dot_f16_wide(x, &y, isa)
 }

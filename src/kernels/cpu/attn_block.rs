@@ -92,7 +92,7 @@ pub(crate) fn decode<'a>(
     let packed = [wq, wk, wv].map(|w| packed_for_decode(pool, w));
     // Thread t's KV heads kh(t)..kh(t + 1); its query rows are their heads' rows.
     let kh = |t: usize| nkv * t / threads;
-    let q_cuts: Vec<usize> = (0..=threads).map(|t| kh(t) * group * hd).collect();
+    let q_cuts = |t: usize| kh(t) * group * hd;
     let (q, k, v, attn) = (s.q, s.k, s.v, s.attn);
     let ptrs = [&mut *q, &mut *k, &mut *v, &mut *attn].map(|a| SharedMut(a.data.as_mut_ptr()));
     let planes = (&kv.k[layer][..], &kv.v[layer][..]);
@@ -109,15 +109,15 @@ pub(crate) fn decode<'a>(
                 // bytes of the next region (`wo`'s; module `chain`).
                 let base = packed[0].unwrap_or_else(|| wq.bytes()).as_ptr() as usize;
                 let start = |t: usize| {
-                    let r = q_cuts[t];
-                    (base + r * wq.row_bytes, (q_cuts[t + 1] - r) * wq.row_bytes)
+                    let r = q_cuts(t);
+                    (base + r * wq.row_bytes, (q_cuts(t + 1) - r) * wq.row_bytes)
                 };
                 let key = wq as *const CpuWeight as usize;
                 let after = chain::record(key, (0..threads).map(start));
                 pool.broadcast_then_prefetch(
                     |t, _| {
                         let (g0, g1) = (kh(t), kh(t + 1));
-                        let (q0, q1, k0, k1) = (q_cuts[t], q_cuts[t + 1], g0 * hd, g1 * hd);
+                        let (q0, q1, k0, k1) = (q_cuts(t), q_cuts(t + 1), g0 * hd, g1 * hd);
                         // SAFETY: these are thread t's rows of q and attn (its heads' values), of
                         // k and v (its KV heads') and of the new f16 K and V rows; no other thread
                         // touches them in this region, and the pool joins before they are read

@@ -400,17 +400,31 @@ impl Backend for CpuBackend {
     }
 
     fn matmul_many(&self, x: &CpuAct, jobs: &mut [MatmulJob<'_, Self>]) {
-        let biases: Vec<Option<&[f32]>> =
-            jobs.iter().map(|(_, b, _)| b.map(Vec::as_slice)).collect();
-        let mut mm: Vec<(&CpuWeight, &mut CpuAct)> =
-            jobs.iter_mut().map(|(w, _, o)| (*w, &mut **o)).collect();
-        matmul::matmul_many(
-            &self.pool,
-            x,
-            &mut mm,
-            &biases,
-            self.row_invariant.load(Ordering::Relaxed),
-        );
+        let inv = self.row_invariant.load(Ordering::Relaxed);
+        fn b<'a>(b: &Option<&'a Vec<f32>>) -> Option<&'a [f32]> {
+            b.map(Vec::as_slice)
+        }
+        // Up to three jobs (Q/K/V) on the stack: a decode step calls this between two parallel
+        // regions, where an allocation's lines come cold from memory.
+        match jobs {
+            [(w, b0, o)] => {
+                matmul::matmul_many(&self.pool, x, &mut [(*w, &mut **o)], &[b(b0)], inv);
+            }
+            [(w0, b0, o0), (w1, b1, o1)] => {
+                let mut mm = [(*w0, &mut **o0), (*w1, &mut **o1)];
+                matmul::matmul_many(&self.pool, x, &mut mm, &[b(b0), b(b1)], inv);
+            }
+            [(w0, b0, o0), (w1, b1, o1), (w2, b2, o2)] => {
+                let mut mm = [(*w0, &mut **o0), (*w1, &mut **o1), (*w2, &mut **o2)];
+                matmul::matmul_many(&self.pool, x, &mut mm, &[b(b0), b(b1), b(b2)], inv);
+            }
+            _ => {
+                let biases: Vec<Option<&[f32]>> = jobs.iter().map(|(_, bj, _)| b(bj)).collect();
+                let mut mm: Vec<(&CpuWeight, &mut CpuAct)> =
+                    jobs.iter_mut().map(|(w, _, o)| (*w, &mut **o)).collect();
+                matmul::matmul_many(&self.pool, x, &mut mm, &biases, inv);
+            }
+        }
     }
 
     fn rope(&self, x: &mut CpuAct, positions: &[u32], rope: Rope, ff: Option<&Vec<f32>>) {

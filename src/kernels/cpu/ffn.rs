@@ -19,7 +19,7 @@ use crate::kernels::cpu::backend::{CpuAct, CpuWeight};
 use crate::kernels::cpu::chain;
 use crate::kernels::cpu::matmul::{
     decode_many, decode_rows_of, packed_for_decode, quantize_rows, region_shares, split_min_units,
-    DECODE_UNIT, XQ,
+    with_cuts, DECODE_UNIT, XQ,
 };
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::kernels::cpu::simd;
@@ -83,15 +83,17 @@ pub fn decode(
         let d_bytes = crate::quant::activation_row_bytes(crate::quant::vec_dot_type(down_w.ty), ff)
             .expect("whole blocks");
         let packed = [gate_w, up_w].map(|w| packed_for_decode(pool, w));
-        // Thread t owns units ucuts[t]..ucuts[t + 1] of DECODE_UNIT rows, evenly; in a region
+        // Thread t owns units ucuts(t)..ucuts(t + 1) of DECODE_UNIT rows, evenly; in a region
         // large enough (`region_shares`) it shares them as a `Split` does, a thread done with its
         // own taking chunks from the end of another's.
         let n = pool.n_threads();
         let units = ff.div_ceil(DECODE_UNIT);
-        let ucuts: Vec<usize> = (0..=n).map(|t| units * t / n).collect();
+        let ucuts = |t: usize| units * t / n;
         let row = |u: usize| (u * DECODE_UNIT).min(ff);
-        let split = region_shares(2 * ff * gate_w.row_bytes)
-            .then(|| Split::new(&ucuts, split_min_units(2 * DECODE_UNIT * gate_w.row_bytes)));
+        let split = region_shares(2 * ff * gate_w.row_bytes).then(|| {
+            let min = split_min_units(2 * DECODE_UNIT * gate_w.row_bytes);
+            with_cuts(n, ucuts, |c| Split::new(c, min))
+        });
         XQ.with_borrow_mut(|xq| {
             quantize_rows(pool, gate_w.ty, h, a_bytes, xq);
             XQ_DOWN.with_borrow_mut(|xd| {
@@ -105,7 +107,7 @@ pub fn decode(
                 // first bytes of the next region (the down projection; module `chain`).
                 let base = packed[0].unwrap_or_else(|| gate_w.bytes()).as_ptr() as usize;
                 let start = |t: usize| {
-                    let r = row(ucuts[t]);
+                    let r = row(ucuts(t));
                     (base + r * gate_w.row_bytes, (ff - r) * gate_w.row_bytes)
                 };
                 let key = gate_w as *const CpuWeight as usize;
@@ -135,7 +137,7 @@ pub fn decode(
                         };
                         match &split {
                             Some(split) => split.run(t, chunk),
-                            None => chunk(ucuts[t]..ucuts[t + 1]),
+                            None => chunk(ucuts(t)..ucuts(t + 1)),
                         }
                     },
                     &after,
@@ -169,6 +171,18 @@ pub(super) struct PartsQuantizer {
     dst: SharedMut<u8>,
 }
 
+thread_local! {
+    /// Block counters a dropped [`PartsQuantizer`] leaves for the next one on this thread.
+    static DONE: std::cell::RefCell<Vec<AtomicUsize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl Drop for PartsQuantizer {
+    fn drop(&mut self) {
+        let done = std::mem::take(&mut self.done);
+        DONE.with_borrow_mut(|spare| *spare = done);
+    }
+}
+
 impl PartsQuantizer {
     /// `src` holds `len` values (whole blocks of `elems`), `dst` their quantized bytes.
     pub(super) fn new(
@@ -185,7 +199,14 @@ impl PartsQuantizer {
             quantize,
             elems,
             blk_bytes: dst.len() / nblk.max(1),
-            done: (0..nblk).map(|_| AtomicUsize::new(0)).collect(),
+            done: DONE.with_borrow_mut(|spare| {
+                // The counters of the last quantizer dropped on this thread, reused: an allocation
+                // is a cold path between two decode regions.
+                let mut done = std::mem::take(spare);
+                done.iter_mut().for_each(|c| *c.get_mut() = 0);
+                done.resize_with(nblk, || AtomicUsize::new(0));
+                done
+            }),
             src,
             dst: SharedMut(dst.as_mut_ptr()),
         }

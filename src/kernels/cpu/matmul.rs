@@ -360,9 +360,25 @@ fn decode_shared(
     // A region this long gives a core that streams slower for a while time to fall behind: the
     // other takes over the end of its range.
     let min_units = sharing.min_units(total_bytes / total.max(1));
-    let cuts: Vec<usize> = (0..=threads).map(cut).collect();
-    let split = Split::new(&cuts, min_units);
+    let split = with_cuts(threads, cut, |cuts| Split::new(cuts, min_units));
     pool.broadcast_then_prefetch(|t, _| split.run(t, chunk), &after);
+}
+
+/// `body` of the cut points `cut(0..=threads)`, on the stack for up to 16 threads.
+pub(super) fn with_cuts<R>(
+    threads: usize,
+    cut: impl Fn(usize) -> usize,
+    body: impl FnOnce(&[usize]) -> R,
+) -> R {
+    let mut a = [0; 17];
+    if threads < a.len() {
+        for (t, c) in a.iter_mut().enumerate().take(threads + 1) {
+            *c = cut(t);
+        }
+        body(&a[..=threads])
+    } else {
+        body(&(0..=threads).map(cut).collect::<Vec<_>>())
+    }
 }
 
 /// How many of its first bytes a decode call requests before its kernel starts. A kernel's own
@@ -483,17 +499,22 @@ pub(super) fn quantize_rows(
             return;
         }
     }
+    thread_local! {
+        /// One quantized row, reused: no allocation per call.
+        static TMP: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
     pool.for_range(n, min_rows, |range| {
-        let mut tmp = Vec::with_capacity(a_bytes);
-        for t in range {
-            crate::quant::quantize_activations_as(ty, x.row(t), &mut tmp, Q8Variant::X86Avx)
-                .expect("activation quantization for a supported type");
-            // SAFETY: row t's bytes `t * a_bytes .. (t + 1) * a_bytes` lie inside `xq` (t < n) and
-            // belong to this chunk only.
-            unsafe {
-                std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst.ptr().add(t * a_bytes), a_bytes)
-            };
-        }
+        TMP.with_borrow_mut(|tmp| {
+            for t in range {
+                crate::quant::quantize_activations_as(ty, x.row(t), tmp, Q8Variant::X86Avx)
+                    .expect("activation quantization for a supported type");
+                // SAFETY: row t's bytes `t * a_bytes .. (t + 1) * a_bytes` lie inside `xq` (t < n)
+                // and belong to this chunk only.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst.ptr().add(t * a_bytes), a_bytes)
+                };
+            }
+        });
     });
 }
 

@@ -55,6 +55,7 @@ thread_local! {
 }
 
 /// Keeps hot atomics on their own cache lines.
+#[derive(Default)]
 #[repr(align(128))]
 pub(crate) struct Padded<T>(pub(crate) T);
 

@@ -25,10 +25,17 @@ fn unpack(w: u64) -> (usize, usize) {
     ((w >> 32) as usize, (w & 0xffff_ffff) as usize)
 }
 
+/// Ranges a [`Split`] keeps inline, without allocating.
+const INLINE: usize = 4;
+
 /// The ranges of one region; see the module docs.
 pub struct Split {
-    /// Each range's unclaimed units, on its own cache lines.
-    ranges: Vec<Padded<AtomicU64>>,
+    /// Each range's unclaimed units, on its own cache lines: inline for up to [`INLINE`] ranges
+    /// (an allocation aligned to a cache line pair took about a microsecond between two decode
+    /// regions), in `heap` beyond.
+    inline: [Padded<AtomicU64>; INLINE],
+    heap: Vec<Padded<AtomicU64>>,
+    n: usize,
     /// The smallest chunk a claim takes (unless less is left), so a chunk is long enough for
     /// its stream to be worth starting.
     min: usize,
@@ -41,19 +48,38 @@ impl Split {
             cuts.windows(2).all(|w| w[0] <= w[1]) && cuts.last() < Some(&(1 << 32)),
             "cuts ascend and fit 32 bits"
         );
+        let word = |w: &[usize]| Padded(AtomicU64::new(pack(w[0], w[1])));
+        let n = cuts.len().saturating_sub(1);
+        let mut inline: [Padded<AtomicU64>; INLINE] = Default::default();
+        let mut heap = Vec::new();
+        if n <= INLINE {
+            for (r, w) in inline.iter_mut().zip(cuts.windows(2)) {
+                *r = word(w);
+            }
+        } else {
+            heap = cuts.windows(2).map(word).collect();
+        }
         Split {
-            ranges: cuts
-                .windows(2)
-                .map(|w| Padded(AtomicU64::new(pack(w[0], w[1]))))
-                .collect(),
+            inline,
+            heap,
+            n,
             min: min_chunk.max(1),
+        }
+    }
+
+    /// The ranges' words.
+    fn ranges(&self) -> &[Padded<AtomicU64>] {
+        if self.n <= INLINE {
+            &self.inline[..self.n]
+        } else {
+            &self.heap
         }
     }
 
     /// Runs `f` on every chunk thread `t` gets: its own range's, in order, then chunks taken from
     /// the back of the other ranges. Returns when nothing is left that it may take.
     pub fn run(&self, t: usize, mut f: impl FnMut(Range<usize>)) {
-        let n = self.ranges.len();
+        let n = self.ranges().len();
         if t >= n {
             return;
         }
@@ -73,7 +99,7 @@ impl Split {
     /// Takes `size(left)` units (at most what is left) from the front or the back of range `r`.
     /// A thief takes nothing from a remainder shorter than `min`: its owner is about to.
     fn claim(&self, r: usize, size: impl Fn(usize) -> usize, front: bool) -> Option<Range<usize>> {
-        let word = &self.ranges[r].0;
+        let word = &self.ranges()[r].0;
         let mut cur = word.load(Ordering::Relaxed);
         loop {
             let (f, b) = unpack(cur);
@@ -121,6 +147,18 @@ mod tests {
         s.run(0, |r| all.extend(r));
         all.sort_unstable();
         assert_eq!(all, (0..160).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn more_ranges_than_kept_inline_hand_out_each_unit_once() {
+        let cuts: Vec<usize> = (0..=INLINE + 3).map(|t| t * 10).collect();
+        let s = Split::new(&cuts, 3);
+        let mut all = vec![];
+        for t in (0..INLINE + 3).rev() {
+            s.run(t, |r| all.extend(r));
+        }
+        all.sort_unstable();
+        assert_eq!(all, (0..10 * (INLINE + 3)).collect::<Vec<_>>());
     }
 
     #[test]
