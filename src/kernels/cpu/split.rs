@@ -25,8 +25,9 @@ fn unpack(w: u64) -> (usize, usize) {
     ((w >> 32) as usize, (w & 0xffff_ffff) as usize)
 }
 
-/// Ranges a [`Split`] keeps inline, without allocating.
-const INLINE: usize = 4;
+/// Ranges a [`Split`] keeps inline, without allocating (as many as `matmul::with_cuts` keeps on the
+/// stack).
+const INLINE: usize = 16;
 
 /// The ranges of one region; see the module docs.
 pub struct Split {
