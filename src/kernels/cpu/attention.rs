@@ -35,6 +35,7 @@ mod rows;
 use half::slice::HalfFloatSliceExt;
 
 use crate::kernels::cpu::backend::{CpuAct, CpuKv};
+use crate::kernels::cpu::matmul::STACK_THREADS;
 use crate::kernels::cpu::ops::{ggml_isa, v_expf8, GgmlIsa};
 use crate::kernels::cpu::pool::ThreadPool;
 use crate::model::backend::{AttnQuery, AttnShape};
@@ -404,8 +405,8 @@ pub fn attention(
     };
     let threads = pool.n_threads();
     let total: usize = (0..units).map(cost).sum();
-    // On the stack for up to 16 threads: no allocation between two decode regions.
-    let mut stack = [units; 17];
+    // On the stack for up to STACK_THREADS threads: no allocation between two decode regions.
+    let mut stack = [units; STACK_THREADS + 1];
     let mut heap = Vec::new();
     let cuts: &mut [usize] = if threads < stack.len() {
         &mut stack[..=threads]

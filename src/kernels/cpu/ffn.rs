@@ -203,7 +203,7 @@ impl PartsQuantizer {
                 // The counters of the last quantizer dropped on this thread, reused: an allocation
                 // is a cold path between two decode regions.
                 let mut done = std::mem::take(spare);
-                done.iter_mut().for_each(|c| *c.get_mut() = 0);
+                done.clear();
                 done.resize_with(nblk, || AtomicUsize::new(0));
                 done
             }),

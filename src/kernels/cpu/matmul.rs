@@ -364,13 +364,17 @@ fn decode_shared(
     pool.broadcast_then_prefetch(|t, _| split.run(t, chunk), &after);
 }
 
-/// `body` of the cut points `cut(0..=threads)`, on the stack for up to 16 threads.
+/// Threads whose per-region bookkeeping (cut points, `Split`'s ranges) stays on the stack; a
+/// larger pool allocates it per region.
+pub(super) const STACK_THREADS: usize = 16;
+
+/// `body` of the cut points `cut(0..=threads)`, on the stack for up to [`STACK_THREADS`] threads.
 pub(super) fn with_cuts<R>(
     threads: usize,
     cut: impl Fn(usize) -> usize,
     body: impl FnOnce(&[usize]) -> R,
 ) -> R {
-    let mut a = [0; 17];
+    let mut a = [0; STACK_THREADS + 1];
     if threads < a.len() {
         for (t, c) in a.iter_mut().enumerate().take(threads + 1) {
             *c = cut(t);

@@ -14,6 +14,7 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::kernels::cpu::matmul::STACK_THREADS;
 use crate::kernels::cpu::pool::Padded;
 
 /// The unclaimed units `front..back` of one range, packed as `front << 32 | back`.
@@ -25,9 +26,8 @@ fn unpack(w: u64) -> (usize, usize) {
     ((w >> 32) as usize, (w & 0xffff_ffff) as usize)
 }
 
-/// Ranges a [`Split`] keeps inline, without allocating (as many as `matmul::with_cuts` keeps on the
-/// stack).
-const INLINE: usize = 16;
+/// Ranges a [`Split`] keeps inline, without allocating.
+const INLINE: usize = STACK_THREADS;
 
 /// The ranges of one region; see the module docs.
 pub struct Split {
