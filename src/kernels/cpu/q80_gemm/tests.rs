@@ -22,7 +22,14 @@ fn avx2_tile_equals_dot_at_every_level() {
 }
 
 fn gemm_equals_dot(avx2: bool) {
-    let (rows, cols) = (10, 320);
+    // Rows of 10 and of 45 blocks (a real model's rows are 20-448).
+    for cols in [320, 1440] {
+        gemm_equals_dot_at(avx2, cols);
+    }
+}
+
+fn gemm_equals_dot_at(avx2: bool, cols: usize) {
+    let rows = 10;
     for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
         let Some(k) = crate::kernels::cpu::simd::kernels(ty) else {
             return;
@@ -52,7 +59,7 @@ fn gemm_equals_dot(avx2: bool) {
                     assert_eq!(
                         got.to_bits(),
                         want.to_bits(),
-                        "{} n={n} t={t} r={r} avx2-forced={avx2}",
+                        "{} cols={cols} n={n} t={t} r={r} avx2-forced={avx2}",
                         ty.name()
                     );
                 }
