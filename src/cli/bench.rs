@@ -11,7 +11,7 @@ use serde_json::json;
 
 use crate::cli::args::BenchArgs;
 use crate::cli::load::load;
-use crate::cli::UsageError;
+use crate::cli::{note, UsageError};
 use infer::engine::runner::Sequence;
 use infer::kernels::cpu::membw::BandwidthBuffer;
 use infer::kernels::cuda::device::DeviceBackend;
@@ -188,6 +188,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .filter(|s| !s.runs.is_empty())
         .collect();
     let bw = bandwidth.median();
+    if let Some(n) = (!bandwidth.runs.is_empty())
+        .then(|| unsteady(bandwidth.min(), bandwidth.max()))
+        .flatten()
+    {
+        note!("{n}");
+    }
     let eff = (!efficiency.runs.is_empty()).then(|| efficiency.median());
     let name = a.model.model.display().to_string();
     let stdout = std::io::stdout();
@@ -265,4 +271,36 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// Bandwidth reads whose largest is this many times their smallest mean the machine's memory
+/// was not steady during the run (on a quiet machine the reads stay within 10-20%).
+const UNSTEADY: f64 = 1.3;
+
+/// The warning for a run whose bandwidth reads ranged from `min` to `max` GB/s, if they moved
+/// more than [`UNSTEADY`] allows: the speeds, and the efficiency held against those reads, are
+/// then only as steady as the machine was.
+fn unsteady(min: f64, max: f64) -> Option<String> {
+    (min > 0.0 && max > UNSTEADY * min).then(|| {
+        format!(
+            "infer: the memory bandwidth moved from {min:.1} to {max:.1} GB/s during this run \
+             (other load on the machine, or a VM whose bandwidth changes): its speeds and \
+             efficiency are only as steady as that; rerun when it is quiet, or with more -r"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unsteady;
+
+    #[test]
+    fn warns_only_when_the_bandwidth_moved() {
+        assert_eq!(unsteady(26.6, 31.1), None);
+        assert_eq!(unsteady(30.0, 39.0), None);
+        let w = unsteady(21.4, 50.2).expect("a 2.3x spread warns");
+        assert!(w.contains("from 21.4 to 50.2 GB/s"), "{w}");
+        // No reads (pp only) or a failed read: nothing to judge.
+        assert_eq!(unsteady(0.0, 0.0), None);
+    }
 }
