@@ -311,7 +311,7 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
         GgmlType::Q8_0 | GgmlType::Q5_0 => {
             decode_rows_line(ty, d, budget, sdot);
             x16_gemv_line(ty, d, &pool, budget, sdot);
-            for m in [4, 16, 64] {
+            for m in [4, 16, 64, 512] {
                 if !q80_gemm::applies(ty, COLS, m) {
                     continue;
                 }
