@@ -329,8 +329,8 @@ mod avx512 {
         ms: &mut [(f32, f32)],
     ) {
         assert!(heads.hd == 16 * N && ms.len() >= group.len());
-        // An aligned local in memory aligns the frame: the key rows spilled around each
-        // `softmax_step` call then sit on whole lines (`Aligned`).
+        // An aligned local in memory aligns the frame: whatever is spilled around the
+        // `softmax_step` calls then sits on whole lines (`Aligned`).
         let mut frame = crate::kernels::cpu::Aligned(0u8);
         std::hint::black_box(&mut frame);
         for (s, m) in group.iter_mut().zip(ms.iter_mut()) {
@@ -345,7 +345,10 @@ mod avx512 {
             let kf: [__m512; N] = std::array::from_fn(|j| {
                 _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(k.add(16 * j).cast()) })
             });
-            for (s, m) in group.iter_mut().zip(ms.iter_mut()) {
+            // The scores first, the softmax steps (libm `expf` calls) after: a call clobbers every
+            // vector register, so between scores it would spill and reload the widened key row.
+            let mut sc = [0f32; super::MAX_GROUP];
+            for (s, sc) in group.iter().zip(sc.iter_mut()) {
                 let q = s.q16.as_ptr();
                 let mut acc = [_mm512_setzero_ps(); 4];
                 for (j, kj) in kf.iter().enumerate() {
@@ -361,7 +364,9 @@ mod avx512 {
                 let mut t = [0f32; 4];
                 // SAFETY: t holds four floats.
                 unsafe { _mm_storeu_ps(t.as_mut_ptr(), t6) };
-                let sc = ((t[0] + t[2]) + (t[1] + t[3])) * scale;
+                *sc = ((t[0] + t[2]) + (t[1] + t[3])) * scale;
+            }
+            for ((s, m), &sc) in group.iter_mut().zip(ms.iter_mut()).zip(&sc) {
                 s.steps.push(super::softmax_step(sc, &mut m.0, &mut m.1));
             }
         }
