@@ -24,6 +24,7 @@
 //! sequence, and runs four query rows of a head per unit of work (`attention_rows.rs`); the other
 //! two read the f16 cache in place, one (query row, head) per unit (`attention_decode.rs`).
 
+use crate::kernels::cpu::pool::FINE_CHUNKS;
 use crate::kernels::cpu::SharedMut;
 use half::f16;
 
@@ -360,7 +361,7 @@ pub fn attention(
                 _ => blocks.push(i..i + 1),
             }
         }
-        pool.for_range(blocks.len() * shape.n_head, 1, |range| {
+        pool.for_range_with(blocks.len() * shape.n_head, 1, FINE_CHUNKS, |range| {
             let mut res: Vec<Vec<f32>> = (0..rows::ROWS).map(|_| vec![0f32; hd]).collect();
             for unit in range {
                 let (blk, h) = (&blocks[unit / shape.n_head], unit % shape.n_head);

@@ -46,12 +46,17 @@ use std::time::{Duration, Instant};
 pub const SPIN: Duration = Duration::from_micros(50);
 
 /// `for_range` cuts up to this many chunks per thread and hands them out dynamically, so a
-/// thread that was descheduled for a while does not hold up the whole region: the others take
-/// the chunks left, and what the descheduled one holds is a sixteenth of its share. On a VM
-/// whose hypervisor took 3-15% of the CPU time (`vmstat`'s steal), Gemma-3 270M's pp512 took
-/// 0.93 of the time with 16 chunks a thread against 4 (median of five alternated `infer bench`
-/// pairs, 0.90-1.00); Qwen2.5-1.5B's 0.98 (four pairs, 0.92-1.05).
-const CHUNKS_PER_THREAD: usize = 16;
+/// thread that was descheduled for a while does not hold up the whole region.
+const CHUNKS_PER_THREAD: usize = 4;
+
+/// The chunks per thread of [`ThreadPool::for_range_with`] for compute-bound work (prefill's
+/// GEMMs and attention): a vCPU the hypervisor deschedules mid-op then holds up a sixteenth of
+/// its share, not a quarter. On a VM whose hypervisor took 3-15% of the CPU time (`vmstat`'s
+/// steal), Gemma-3 270M's pp512 took 0.93 of the time with 16 chunks a thread against 4 (median
+/// of five alternated `infer bench` pairs, 0.90-1.00); Qwen2.5-1.5B's 0.98 (four pairs,
+/// 0.92-1.05). Streaming work (forwards over a few rows) keeps [`CHUNKS_PER_THREAD`]: each
+/// chunk starts a stream that the prefetchers pick up late.
+pub const FINE_CHUNKS: usize = 16;
 
 thread_local! {
     /// True while this thread is running a pool job (always true on worker threads).
@@ -301,6 +306,17 @@ impl ThreadPool {
     /// split) and runs `f(chunk)` exactly once per chunk across the threads. Chunks are handed out
     /// dynamically (up to a few per thread) to balance load; `n == 0` calls nothing.
     pub fn for_range<F: Fn(Range<usize>) + Sync>(&self, n: usize, min_chunk: usize, f: F) {
+        self.for_range_with(n, min_chunk, CHUNKS_PER_THREAD, f);
+    }
+
+    /// [`Self::for_range`] with up to `per_thread` chunks a thread (at least one).
+    pub fn for_range_with<F: Fn(Range<usize>) + Sync>(
+        &self,
+        n: usize,
+        min_chunk: usize,
+        per_thread: usize,
+        f: F,
+    ) {
         if n == 0 {
             return;
         }
@@ -310,7 +326,7 @@ impl ThreadPool {
             f(0..n);
             return;
         }
-        let chunks = max_chunks.min(threads * CHUNKS_PER_THREAD);
+        let chunks = max_chunks.min(threads * per_thread.max(1));
         let (base, extra) = (n / chunks, n % chunks);
         let chunk_range = |c: usize| {
             let start = c * base + c.min(extra);

@@ -21,7 +21,7 @@
 //! of a whole group stay on the unpacked path. [`dot_group_scalar`] is the scalar twin both
 //! kernels are held to, bit for bit.
 
-use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::pool::{ThreadPool, FINE_CHUNKS};
 use crate::kernels::cpu::q6k_x16::{self, unpack_file_block, Layout};
 use crate::kernels::cpu::SharedMut;
 
@@ -171,7 +171,7 @@ pub fn matmul(
     let dst = SharedMut(out.as_mut_ptr());
     // Units of `step` groups: a wide panel (two groups) at the AVX-512 level, else one group.
     let step = if wide() { 2 } else { 1 };
-    pool.for_range(groups.div_ceil(step), 1, |range| {
+    pool.for_range_with(groups.div_ceil(step), 1, FINE_CHUNKS, |range| {
         let mut panel = vec![0u8; nb * PANEL_BLOCK.max(WIDE_BLOCK)];
         for u in range {
             let g = u * step;

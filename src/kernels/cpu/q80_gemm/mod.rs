@@ -18,7 +18,7 @@
 //! results are bit-identical to the type's `simd` dot kernel at every level, which the tests check.
 
 use crate::format::GgmlType;
-use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::pool::{ThreadPool, FINE_CHUNKS};
 use crate::kernels::cpu::SharedMut;
 
 #[cfg(target_arch = "x86_64")]
@@ -149,7 +149,7 @@ pub fn matmul(
         return groups * GROUP;
     }
     let dst = SharedMut(out.as_mut_ptr());
-    pool.for_range(groups, 1, |range| {
+    pool.for_range_with(groups, 1, FINE_CHUNKS, |range| {
         let mut panel = vec![0u8; nb * GROUP * SLOT];
         for g in range {
             pack_group(
@@ -245,7 +245,7 @@ fn matmul_avx512_panels(
     let q5 = ty == GgmlType::Q5_0;
     let wb = row_bytes / nb;
     let dst = SharedMut(out.as_mut_ptr());
-    pool.for_range(rows / GROUP, 1, |range| {
+    pool.for_range_with(rows / GROUP, 1, FINE_CHUNKS, |range| {
         let mut panel = vec![0u8; nb * avx512::SLOT];
         for g in range {
             for b in 0..nb {
