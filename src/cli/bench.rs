@@ -188,10 +188,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .filter(|s| !s.runs.is_empty())
         .collect();
     let bw = bandwidth.median();
-    if let Some(n) = (!bandwidth.runs.is_empty())
-        .then(|| unsteady(bandwidth.min(), bandwidth.max()))
-        .flatten()
-    {
+    if let Some(n) = unsteady(&bandwidth.runs) {
         note!("{n}");
     }
     let eff = (!efficiency.runs.is_empty()).then(|| efficiency.median());
@@ -277,10 +274,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 /// was not steady during the run (on a quiet machine the reads stay within 10-20%).
 const UNSTEADY: f64 = 1.3;
 
-/// The warning for a run whose bandwidth reads ranged from `min` to `max` GB/s, if they moved
-/// more than [`UNSTEADY`] allows: the speeds, and the efficiency held against those reads, are
-/// then only as steady as the machine was.
-fn unsteady(min: f64, max: f64) -> Option<String> {
+/// The warning for a run whose bandwidth reads (GB/s) moved more than [`UNSTEADY`] allows: the
+/// speeds, and the efficiency held against those reads, are then only as steady as the machine.
+fn unsteady(reads: &[f64]) -> Option<String> {
+    let min = reads.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = reads.iter().copied().fold(0.0, f64::max);
     (min > 0.0 && max > UNSTEADY * min).then(|| {
         format!(
             "infer: the memory bandwidth moved from {min:.1} to {max:.1} GB/s during this run \
@@ -296,11 +294,12 @@ mod tests {
 
     #[test]
     fn warns_only_when_the_bandwidth_moved() {
-        assert_eq!(unsteady(26.6, 31.1), None);
-        assert_eq!(unsteady(30.0, 39.0), None);
-        let w = unsteady(21.4, 50.2).expect("a 2.3x spread warns");
+        assert_eq!(unsteady(&[29.2, 26.6, 31.1]), None);
+        assert_eq!(unsteady(&[30.0, 39.0]), None);
+        let w = unsteady(&[30.1, 21.4, 50.2, 33.0]).expect("a 2.3x spread warns");
         assert!(w.contains("from 21.4 to 50.2 GB/s"), "{w}");
-        // No reads (pp only) or a failed read: nothing to judge.
-        assert_eq!(unsteady(0.0, 0.0), None);
+        // No reads, or a read of zero (a failed measurement): nothing to judge.
+        assert_eq!(unsteady(&[]), None);
+        assert_eq!(unsteady(&[0.0, 30.0]), None);
     }
 }

@@ -24,7 +24,6 @@
 //! sequence, and runs four query rows of a head per unit of work (`attention_rows.rs`); the other
 //! two read the f16 cache in place, one (query row, head) per unit (`attention_decode.rs`).
 
-use crate::kernels::cpu::pool::FINE_CHUNKS;
 use crate::kernels::cpu::SharedMut;
 use half::f16;
 
@@ -38,7 +37,7 @@ use half::slice::HalfFloatSliceExt;
 use crate::kernels::cpu::backend::{CpuAct, CpuKv};
 use crate::kernels::cpu::matmul::STACK_THREADS;
 use crate::kernels::cpu::ops::{ggml_isa, v_expf8, GgmlIsa};
-use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::pool::{ThreadPool, FINE_CHUNKS};
 use crate::model::backend::{AttnQuery, AttnShape};
 
 /// Query rows from which ggml uses the tiled kernel (`GGML_FA_TILE_Q`).

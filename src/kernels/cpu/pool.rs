@@ -47,7 +47,7 @@ pub const SPIN: Duration = Duration::from_micros(50);
 
 /// `for_range` cuts up to this many chunks per thread and hands them out dynamically, so a
 /// thread that was descheduled for a while does not hold up the whole region.
-const CHUNKS_PER_THREAD: usize = 4;
+pub const CHUNKS_PER_THREAD: usize = 4;
 
 /// The chunks per thread of [`ThreadPool::for_range_with`] for compute-bound work (prefill's
 /// GEMMs and attention): a vCPU the hypervisor deschedules mid-op then holds up a sixteenth of

@@ -34,7 +34,7 @@
 //! tested against, bit for bit, and what runs on CPUs without AVX2.
 
 use crate::kernels::cpu::hugebuf::HugeBuf;
-use crate::kernels::cpu::pool::{ThreadPool, FINE_CHUNKS};
+use crate::kernels::cpu::pool::{ThreadPool, CHUNKS_PER_THREAD, FINE_CHUNKS};
 use crate::kernels::cpu::SharedMut;
 use crate::quant::blocks::get_scale_min_k4;
 
@@ -216,44 +216,44 @@ pub fn matmul(
     let min_groups = if n == 1 { 8 } else { 1 };
     let wide = wide();
     let step = if wide { 2 } else { 1 };
-    // Eight activation rows or more are compute-bound: fine chunks (`FINE_CHUNKS`); fewer stream.
-    let per_thread = if n >= 8 { FINE_CHUNKS } else { 4 };
-    pool.for_range_with(
-        groups.div_ceil(step),
-        min_groups / step,
-        per_thread,
-        |range| {
-            // The unit of groups g..g + k (k = 2 in the wide layout) against rows t0..t0 + m.
-            let kernel = |g: usize, k: usize, t0: usize, m: usize, pair: bool| {
-                let w = &packed[g * group_bytes..(g + k) * group_bytes];
-                let a = &xq[t0 * a_row..(t0 + m) * a_row];
-                let mut res = [[0f32; 2 * GROUP]; 4];
-                dot_unit(nb, w, k * GROUP, a, a_row, m, pair, &mut res);
-                // SAFETY: rows t0..t0 + m < n and columns g * 8..(g + k) * 8 <= rows are inside
-                // `out` (n * rows); the unit's groups belong to this chunk only, so no other thread
-                // writes them.
-                unsafe { dst.store_tile(rows, t0, g * GROUP, &res[..m], k * GROUP) };
-            };
-            let units = || {
-                range
-                    .clone()
-                    .map(|u| (u * step, unit_groups(wide, groups, u * step)))
-            };
-            for c0 in (0..gemm_rows).step_by(chunk) {
-                let c1 = (c0 + chunk).min(gemm_rows);
-                for (g, k) in units() {
-                    for t0 in (c0..c1).step_by(4) {
-                        kernel(g, k, t0, 4, true);
-                    }
-                }
-            }
+    // Eight activation rows or more are compute-bound: fine chunks; fewer stream.
+    let per_thread = if n >= 8 {
+        FINE_CHUNKS
+    } else {
+        CHUNKS_PER_THREAD
+    };
+    let (n_units, min_units) = (groups.div_ceil(step), min_groups / step);
+    pool.for_range_with(n_units, min_units, per_thread, |range| {
+        // The unit of groups g..g + k (k = 2 in the wide layout) against rows t0..t0 + m.
+        let kernel = |g: usize, k: usize, t0: usize, m: usize, pair: bool| {
+            let w = &packed[g * group_bytes..(g + k) * group_bytes];
+            let a = &xq[t0 * a_row..(t0 + m) * a_row];
+            let mut res = [[0f32; 2 * GROUP]; 4];
+            dot_unit(nb, w, k * GROUP, a, a_row, m, pair, &mut res);
+            // SAFETY: rows t0..t0 + m < n and columns g * 8..(g + k) * 8 <= rows are inside
+            // `out` (n * rows); the unit's groups belong to this chunk only, so no other thread
+            // writes them.
+            unsafe { dst.store_tile(rows, t0, g * GROUP, &res[..m], k * GROUP) };
+        };
+        let units = || {
+            range
+                .clone()
+                .map(|u| (u * step, unit_groups(wide, groups, u * step)))
+        };
+        for c0 in (0..gemm_rows).step_by(chunk) {
+            let c1 = (c0 + chunk).min(gemm_rows);
             for (g, k) in units() {
-                for t0 in (gemm_rows..n).step_by(4) {
-                    kernel(g, k, t0, (n - t0).min(4), false);
+                for t0 in (c0..c1).step_by(4) {
+                    kernel(g, k, t0, 4, true);
                 }
             }
-        },
-    );
+        }
+        for (g, k) in units() {
+            for t0 in (gemm_rows..n).step_by(4) {
+                kernel(g, k, t0, (n - t0).min(4), false);
+            }
+        }
+    });
 }
 
 /// One packed group (`w`: `nb` packed blocks) times `m` (1..=4) Q8_K activation rows `stride`
