@@ -1,7 +1,8 @@
 //! `infer bench`: prompt processing (pp) and token generation (tg) speed in the manner of llama-bench,
-//! with the machine's memory read bandwidth measured in the same run, interleaved with the runs, so
-//! decode speed can be held against its roofline (tokens/s × bytes read per token ÷ bandwidth), the
-//! bytes being the weights a token reads and the KV cache it attends over.
+//! with the machine's memory read bandwidth measured in the same run, interleaved with the runs
+//! (before each repetition and after every [`READ_EVERY`] generated tokens), so decode speed can be
+//! held against its roofline (tokens/s × bytes read per token ÷ bandwidth), the bytes being the
+//! weights a token reads and the KV cache it attends over.
 
 use std::io::Write;
 use std::time::Instant;
@@ -154,27 +155,41 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             pp.runs.push(a.n_prompt as f64 / t0.elapsed().as_secs_f64());
             runner.release(&mut seq);
         }
-        let before = measure_bandwidth(&runner)?;
+        let mut before = measure_bandwidth(&runner)?;
         bandwidth.runs.push(before);
         if a.n_gen > 0 {
+            // Decoded in stretches of `READ_EVERY` tokens with a bandwidth read after each, held
+            // against the reads around it (`rep_efficiency`): the machine's bandwidth can move
+            // within a repetition (a shared VM's switched states within seconds), and two reads
+            // around a whole repetition would hold all of it against those two moments.
             let mut seq = fresh(&mut runner, &mut rng)?;
-            let t0 = Instant::now();
-            for _ in 0..a.n_gen {
-                // As a generation loop does: the step's logits go back once they are used.
-                let logits = runner.extend(&mut seq, &[rng.next(vocab)])?;
-                runner.recycle(logits);
+            let mut stretches = Vec::new();
+            let mut left = a.n_gen;
+            while left > 0 {
+                let tokens = left.min(READ_EVERY);
+                let t0 = Instant::now();
+                for _ in 0..tokens {
+                    // As a generation loop does: the step's logits go back once they are used.
+                    let logits = runner.extend(&mut seq, &[rng.next(vocab)])?;
+                    runner.recycle(logits);
+                }
+                let secs = t0.elapsed().as_secs_f64();
+                let after = measure_bandwidth(&runner)?;
+                bandwidth.runs.push(after);
+                stretches.push(Stretch {
+                    tokens,
+                    secs,
+                    gbs: (before + after) / 2.0,
+                });
+                before = after;
+                left -= tokens;
             }
-            let tps = a.n_gen as f64 / t0.elapsed().as_secs_f64();
-            tg.runs.push(tps);
             runner.release(&mut seq);
-            // Held against the bandwidth read just before and just after this repetition: the
-            // machine's bandwidth can drift between repetitions (a shared VM's did by 1.7x within
-            // a minute), and a median speed over a median bandwidth would mix its states.
-            let after = measure_bandwidth(&runner)?;
-            bandwidth.runs.push(after);
+            let secs: f64 = stretches.iter().map(|s| s.secs).sum();
+            tg.runs.push(a.n_gen as f64 / secs);
             efficiency
                 .runs
-                .push(tps * (bpt + kv_bpt) / 1e9 / ((before + after) / 2.0));
+                .push(rep_efficiency(&stretches, (bpt + kv_bpt) / 1e9));
         }
         if progress {
             eprint!("\rinfer: bench repetition {}/{}", rep + 1, a.reps);
@@ -258,16 +273,41 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             out,
             "decode efficiency: {:.0}% of the bandwidth roofline (median over {} repetitions of \
              tg t/s × ({:.3} GB of weights + {:.3} GB of KV cache) a token ÷ the bandwidth read \
-             around each; {:.0}-{:.0}%)",
+             around every {} tokens; {:.0}-{:.0}%)",
             e * 100.0,
             efficiency.runs.len(),
             bpt / 1e9,
             kv_bpt / 1e9,
+            READ_EVERY,
             efficiency.min() * 100.0,
             efficiency.max() * 100.0
         )?;
     }
     Ok(())
+}
+
+/// Tokens a tg repetition decodes between two bandwidth reads. A read (512 MiB, twice) takes
+/// 30-40 ms on the development machine, while 32 tokens take 0.3-1 s there, and the reads'
+/// time is not the decode's.
+const READ_EVERY: usize = 32;
+
+/// A stretch of a tg repetition: `tokens` decoded in `secs`, between two bandwidth reads whose
+/// mean is `gbs` (GB/s).
+struct Stretch {
+    tokens: usize,
+    secs: f64,
+    gbs: f64,
+}
+
+/// A repetition's decode efficiency: the time its tokens take at the roofline (each stretch's
+/// `gb_per_token` bytes a token at that stretch's bandwidth) over the time they took. One stretch
+/// gives tokens/s × bytes a token ÷ bandwidth.
+fn rep_efficiency(stretches: &[Stretch], gb_per_token: f64) -> f64 {
+    let roofline: f64 = stretches
+        .iter()
+        .map(|s| s.tokens as f64 * gb_per_token / s.gbs)
+        .sum();
+    roofline / stretches.iter().map(|s| s.secs).sum::<f64>()
 }
 
 /// Bandwidth reads whose largest is this many times their smallest mean the machine's memory
@@ -290,7 +330,23 @@ fn unsteady(reads: &[f64]) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::unsteady;
+    use super::{rep_efficiency, unsteady, Stretch};
+
+    #[test]
+    fn efficiency_holds_each_stretch_against_its_own_reads() {
+        let s = |tokens, secs, gbs| Stretch { tokens, secs, gbs };
+        // One stretch: 32 tokens in 1 s at 1 GB a token against 40 GB/s is 32/40.
+        let one = rep_efficiency(&[s(32, 1.0, 40.0)], 1.0);
+        assert!((one - 0.8).abs() < 1e-12, "{one}");
+        // 32 tokens in 1.0 s at 32 GB/s, then 32 in 0.6 s at 64: at the roofline they take 1.0 +
+        // 0.5 s, so 1.5 / 1.6. Two reads around the whole repetition (a mean of 48 GB/s) would
+        // have said 64 tokens / 1.6 s ÷ 48 = 0.833.
+        let two = rep_efficiency(&[s(32, 1.0, 32.0), s(32, 0.6, 64.0)], 1.0);
+        assert!((two - 1.5 / 1.6).abs() < 1e-12, "{two}");
+        // A stretch decoding at the roofline counts 1, whatever the other's bandwidth.
+        let at = rep_efficiency(&[s(16, 0.5, 32.0), s(16, 0.25, 64.0)], 1.0);
+        assert!((at - 1.0).abs() < 1e-12, "{at}");
+    }
 
     #[test]
     fn warns_only_when_the_bandwidth_moved() {
