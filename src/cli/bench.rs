@@ -287,7 +287,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 }
 
 /// Tokens a tg repetition decodes between two bandwidth reads. A read (512 MiB, twice) takes
-/// 30-40 ms on the development machine, while 32 tokens take 0.3-1 s there, and the reads'
+/// 20-40 ms on the development machine, while 32 tokens take 0.3-1 s there, and the reads'
 /// time is not the decode's.
 const READ_EVERY: usize = 32;
 
