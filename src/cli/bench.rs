@@ -286,9 +286,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Tokens a tg repetition decodes between two bandwidth reads. A read (512 MiB, twice) takes
-/// 20-40 ms on the development machine, while 32 tokens take 0.3-1 s there, and the reads'
-/// time is not the decode's.
+/// Tokens a tg repetition decodes between two bandwidth reads. A read passes over 512 MiB twice,
+/// about 20-40 ms at the development machine's 27-55 GB/s, while 32 tokens take 0.3-1 s there;
+/// the reads' time is not the decode's.
 const READ_EVERY: usize = 32;
 
 /// A stretch of a tg repetition: `tokens` decoded in `secs`, between two bandwidth reads whose

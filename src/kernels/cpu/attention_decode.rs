@@ -328,7 +328,8 @@ mod avx512 {
         group: &mut [super::Scratch],
         ms: &mut [(f32, f32)],
     ) {
-        assert!(heads.hd == 16 * N && ms.len() >= group.len());
+        // At most MAX_GROUP heads: their scores sit in a fixed array below.
+        assert!(heads.hd == 16 * N && group.len() <= super::MAX_GROUP && ms.len() >= group.len());
         // An aligned local in memory aligns the frame: whatever is spilled around the
         // `softmax_step` calls then sits on whole lines (`Aligned`).
         let mut frame = crate::kernels::cpu::Aligned(0u8);
