@@ -163,6 +163,26 @@ pub fn gemv_groups(
     );
     assert_eq!(out.len(), (g1 - g0) * GROUP, "one output per weight row");
     let mut g = g0;
+    #[cfg(target_arch = "x86_64")]
+    if wide {
+        // The whole x16 units in one kernel call (a last odd group stays x8, below).
+        let units = (g1 - g0 - usize::from(g1 == groups && groups % 2 == 1)) / 2;
+        assert!(xq.len() >= nb * A_BYTES, "one activation row");
+        let w = &packed[g0 * gb..(g0 + 2 * units) * gb];
+        let o = &mut out[..units * 2 * GROUP];
+        let (wp, ap, op) = (w.as_ptr(), xq.as_ptr(), o.as_mut_ptr());
+        // SAFETY: `wide` holds only at the AVX-512 level, selected after its features were
+        // detected; `w` is `units` x16 units of `nb` blocks, `xq` holds one row of `nb` Q8_K
+        // blocks and `o` 16 floats a unit (all checked above).
+        unsafe {
+            if crate::kernels::cpu::prefetch::on() {
+                avx512::gemv_units::<true>(nb, wp, units, ap, op);
+            } else {
+                avx512::gemv_units::<false>(nb, wp, units, ap, op);
+            }
+        }
+        g = g0 + 2 * units;
+    }
     while g < g1 {
         let k = unit_groups(wide, groups, g);
         let at = (g - g0) * GROUP;

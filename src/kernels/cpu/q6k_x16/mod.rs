@@ -218,7 +218,14 @@ pub fn gemv(cols: usize, w: &[u8], xq: &[u8], out: &mut [f32]) {
     assert!(cols.is_multiple_of(256), "whole blocks");
     let nb = cols / 256;
     #[cfg(target_arch = "x86_64")]
-    gemv_units(nb, nb * BLOCK_BYTES, w, xq, nb * 292, out, avx512::dot_unit);
+    {
+        let kernel = if crate::kernels::cpu::prefetch::on() {
+            avx512::dot_unit::<true>
+        } else {
+            avx512::dot_unit::<false>
+        };
+        gemv_units(nb, nb * BLOCK_BYTES, w, xq, nb * 292, out, kernel);
+    }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (nb, w, xq, out);

@@ -107,7 +107,14 @@ pub fn matmul(pool: &ThreadPool, cols: usize, w: &[u8], xq: &[u8], n: usize, out
 /// `w` (whole units of a packed matrix): `out[i]` = packed row `i`, as the row kernel computes it.
 pub fn gemv(cols: usize, w: &[u8], xq: &[u8], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    gemv_blocks32(cols, W_BYTES, w, xq, out, (avx512::dot_unit, -128));
+    {
+        let kernel = if crate::kernels::cpu::prefetch::on() {
+            avx512::dot_unit::<true>
+        } else {
+            avx512::dot_unit::<false>
+        };
+        gemv_blocks32(cols, W_BYTES, w, xq, out, (kernel, -128));
+    }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (cols, w, xq, out);
