@@ -73,20 +73,34 @@ fn scale_dups() -> [__m512i; 2] {
     })
 }
 
-/// Sixteen outputs (`out`) of one x16 unit (`w`: `nb` unit blocks) against one activation row
-/// (`a`: `nb` Q8_K blocks).
+/// Sixteen outputs a unit (`out`) of `units` consecutive x16 units (`w`: `nb` unit blocks each)
+/// against one activation row (`a`: `nb` Q8_K blocks).
 ///
 /// # Safety
-/// The AVX-512 level is available (AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI); `w` points at `nb`
-/// unit blocks, `a` at `nb` Q8_K blocks, `out` at 16 writable floats.
-#[allow(clippy::needless_range_loop)] // lanes index several arrays at once
+/// The AVX-512 level is available (AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI); `w` points at
+/// `units * nb` unit blocks, `a` at `nb` Q8_K blocks, `out` at `16 * units` writable
+/// floats.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn dot_unit<const STREAM: bool>(
     nb: usize,
     w: *const u8,
+    units: usize,
     a: *const u8,
     out: *mut f32,
 ) {
+    for u in 0..units {
+        dot_one::<STREAM>(nb, w.add(u * nb * BLOCK_BYTES), a, out.add(R * u));
+    }
+}
+
+/// [`dot_unit`] for one unit.
+///
+/// # Safety
+/// As [`dot_unit`] with `units = 1`.
+#[allow(clippy::needless_range_loop)] // lanes index several arrays at once
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn dot_one<const STREAM: bool>(nb: usize, w: *const u8, a: *const u8, out: *mut f32) {
     let [dup_lo, dup_hi] = scale_dups();
     let neg32 = _mm512_set1_epi16(-32);
     let mut f = [_mm512_setzero_ps(); 8];

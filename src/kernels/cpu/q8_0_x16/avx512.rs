@@ -34,15 +34,35 @@ const ROWS_AHEAD: usize = 32 * BLOCK_BYTES;
 const LINES: usize = BLOCK_BYTES.div_ceil(64);
 const _: () = assert!(LINES == 9 && R == 16);
 
-/// Sixteen outputs (`o`) of one x16 unit (`w`: `nb` unit blocks) against one activation row
-/// (`a`: `nb` Q8_0 blocks, `pr`: their [`Prep`]s).
+/// Sixteen outputs a unit (`o`) of `units` consecutive x16 units (`w`: `nb` unit blocks each)
+/// against one activation row (`a`: `nb` Q8_0 blocks, `pr`: their [`Prep`]s).
 ///
 /// # Safety
-/// The AVX-512 level is available (AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI); `w` points at `nb`
-/// unit blocks, `a` at `nb` Q8_0 blocks, `pr` at their `nb` preps, `o` at 16 writable floats.
-#[allow(clippy::needless_range_loop)] // lanes index several arrays at once
+/// The AVX-512 level is available (AVX2, FMA, F16C, AVX-512 F/BW/VL/VNNI); `w` points at
+/// `units * nb` unit blocks, `a` at `nb` Q8_0 blocks, `pr` at their `nb` preps, `o` at
+/// `16 * units` writable floats.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(super) unsafe fn dot_unit<const STREAM: bool>(
+    nb: usize,
+    w: *const u8,
+    units: usize,
+    a: *const u8,
+    pr: *const Prep,
+    o: *mut f32,
+) {
+    for u in 0..units {
+        dot_one::<STREAM>(nb, w.add(u * nb * BLOCK_BYTES), a, pr, o.add(R * u));
+    }
+}
+
+/// [`dot_unit`] for one unit.
+///
+/// # Safety
+/// As [`dot_unit`] with `units = 1`.
+#[allow(clippy::needless_range_loop)] // lanes index several arrays at once
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn dot_one<const STREAM: bool>(
     nb: usize,
     w: *const u8,
     a: *const u8,
