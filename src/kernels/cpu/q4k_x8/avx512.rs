@@ -210,7 +210,7 @@ unsafe fn rows_m<const M: usize, const PAIR: bool, const STREAM: bool>(
                     // Keeps the compiler from gathering the prefetches back into one burst.
                     std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
                 }
-                // Two 32-byte loads (`ld2x256`), not one of 64: the nibbles are the stream.
+                // The nibbles: one 64-byte load a line once compiled (see `ld2x256`).
                 let bits = ld2x256(x.add(16 * R + 32 * R * p + 4 * R * s));
                 let lo = _mm512_and_si512(bits, m4);
                 // The high nibbles stay in place (16·q): `vpdpbusd` does not saturate, so the

@@ -70,12 +70,14 @@ pub(super) fn dot_x4(ty: GgmlType) -> Option<super::DotX4Fn> {
     }
 }
 
-/// The 64 bytes at `p` (unaligned) as two 256-bit loads. The Q4_K decode kernel streams its
-/// nibbles with these: on the development machine (Xeon VM) two 32-byte loads per line instead of
-/// one 64-byte load made Qwen's Q4_K decode matmuls 3-4% faster (alternated, three pairs; the
-/// per-block scale loads stay 64-byte, splitting those too was 1-2% slower); the bandwidth
-/// probe's loop read 35.1 GB/s with 32-byte loads and 29.1 GB/s with 64-byte ones, alternated in
-/// one process.
+/// The 64 bytes at `p` (unaligned), written as two 256-bit loads. On a Xeon VM two 32-byte loads
+/// per line instead of one 64-byte load had made Qwen's Q4_K decode matmuls 3-4% faster
+/// (alternated, three pairs), and the bandwidth probe's loop read 35.1 GB/s with 32-byte loads
+/// and 29.1 GB/s with 64-byte ones. In today's kernels LLVM merges the two halves back into one
+/// 64-byte load (no `vinserti64x4` from memory in the release binary, 2026-11-27); forcing two
+/// loads (the first through an empty `asm!`) left Qwen2.5-1.5B's decode step at 0.998-1.002 of
+/// the time on Zen 4 (paired, both bandwidth states), so the kernels keep this form, which
+/// compiles to what they were measured with.
 ///
 /// # Safety
 /// The AVX-512 level is available; `p` points at 64 readable bytes.
