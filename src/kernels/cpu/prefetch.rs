@@ -40,6 +40,18 @@ pub fn on() -> bool {
     }
 }
 
+/// `streaming` where the decode kernels prefetch their stream ([`on`]), else `seeded`: how a
+/// caller picks between the two builds of a kernel compiled for one choice each (a flag tested
+/// inside the kernels' loops had cost decode a taken branch a cache line).
+#[inline]
+pub fn pick<T>(streaming: T, seeded: T) -> T {
+    if on() {
+        streaming
+    } else {
+        seeded
+    }
+}
+
 /// Sets the choice for the rest of the process (or until set again).
 pub fn set(on: bool) {
     STATE.store(on as u8, Ordering::Relaxed);

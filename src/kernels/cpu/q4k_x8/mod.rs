@@ -175,11 +175,11 @@ pub fn gemv_groups(
         // detected; `w` is `units` x16 units of `nb` blocks, `xq` holds one row of `nb` Q8_K
         // blocks and `o` 16 floats a unit (all checked above).
         unsafe {
-            if crate::kernels::cpu::prefetch::on() {
-                avx512::gemv_units::<true>(nb, wp, units, ap, op);
-            } else {
-                avx512::gemv_units::<false>(nb, wp, units, ap, op);
-            }
+            let kernel: crate::kernels::cpu::x16::UnitKernel = crate::kernels::cpu::prefetch::pick(
+                avx512::gemv_units::<true>,
+                avx512::gemv_units::<false>,
+            );
+            kernel(nb, wp, units, ap, op);
         }
         g = g0 + 2 * units;
     }

@@ -219,11 +219,10 @@ pub fn gemv(cols: usize, w: &[u8], xq: &[u8], out: &mut [f32]) {
     let nb = cols / 256;
     #[cfg(target_arch = "x86_64")]
     {
-        let kernel = if crate::kernels::cpu::prefetch::on() {
-            avx512::dot_unit::<true>
-        } else {
-            avx512::dot_unit::<false>
-        };
+        let kernel: crate::kernels::cpu::x16::UnitKernel = crate::kernels::cpu::prefetch::pick(
+            avx512::dot_unit::<true>,
+            avx512::dot_unit::<false>,
+        );
         gemv_units(nb, nb * BLOCK_BYTES, w, xq, nb * 292, out, kernel);
     }
     #[cfg(not(target_arch = "x86_64"))]

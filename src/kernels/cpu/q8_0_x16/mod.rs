@@ -108,11 +108,10 @@ pub fn matmul(pool: &ThreadPool, cols: usize, w: &[u8], xq: &[u8], n: usize, out
 pub fn gemv(cols: usize, w: &[u8], xq: &[u8], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        let kernel = if crate::kernels::cpu::prefetch::on() {
-            avx512::dot_unit::<true>
-        } else {
-            avx512::dot_unit::<false>
-        };
+        let kernel: crate::kernels::cpu::x16::Block32Kernel = crate::kernels::cpu::prefetch::pick(
+            avx512::dot_unit::<true>,
+            avx512::dot_unit::<false>,
+        );
         gemv_blocks32(cols, W_BYTES, w, xq, out, (kernel, -128));
     }
     #[cfg(not(target_arch = "x86_64"))]
