@@ -18,7 +18,7 @@ use std::time::Instant;
 use infer::engine::runner::{Runner, Sequence, BLOCK_SIZE};
 use infer::format::Gguf;
 use infer::kernels::cpu::backend::{CpuAct, CpuBackend, CpuWeight};
-use infer::kernels::cpu::membw::BandwidthBuffer;
+use infer::kernels::cpu::memory::bandwidth::BandwidthBuffer;
 use infer::model::backend::Backend;
 use infer::model::weights::{Attn, Ffn, Mlp};
 use infer::model::{Model, ModelConfig, Weights};

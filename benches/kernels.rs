@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use infer::format::GgmlType;
 use infer::kernels::cpu::simd::{
-    kernels_at, q4k_gemm, q4k_gemm_kernels_at, reference, Kernels, Level,
+    kernels_at, q4_k_gemm, q4k_gemm_kernels_at, reference, Kernels, Level,
 };
 use infer::quant::{activation_row_bytes, quantize_activations, quantize_row, vec_dot_type};
 
@@ -243,8 +243,8 @@ fn main() {
         if ty == GgmlType::Q4K {
             // The GEMM-structure flavour llama.cpp uses for groups of four rows.
             let twin = Kernels {
-                dot: q4k_gemm::dot,
-                tile: q4k_gemm::tile,
+                dot: q4_k_gemm::dot,
+                tile: q4_k_gemm::tile,
                 name: "scalar/q4_K-gemm",
             };
             let t = time_tile(&twin, &d, 4, budget);
@@ -265,7 +265,9 @@ fn main() {
 /// The whole-matrix paths the engine runs (one thread): x8-packed Q4_K (GEMV for one row, GEMM for
 /// groups of four), the Q6_K panel GEMM, the four-row Q8_0/Q5_0 decode kernel and their panel GEMM.
 fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
-    use infer::kernels::cpu::{pool::ThreadPool, q4k_x8, q6k_x16, q6k_x8, q80_gemm};
+    use infer::kernels::cpu::layouts::{q4_k_x8, q6_k_x16};
+    use infer::kernels::cpu::matmul::{q6_k_panels, q8_0_panels};
+    use infer::kernels::cpu::threads::pool::ThreadPool;
     let pool = ThreadPool::new(1);
     let rows = d.rows();
     let acts = |m: usize| -> Vec<u8> {
@@ -276,11 +278,11 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
     let base = |m: usize| Some(Duration::from_secs_f64(sdot.as_secs_f64() * m as f64));
     match ty {
         GgmlType::Q4K => {
-            let packed = q4k_x8::pack(&pool, &d.w, rows, COLS);
+            let packed = q4_k_x8::pack(&pool, &d.w, rows, COLS);
             for m in [1, 4, 16, 64] {
                 let (xq, mut out) = (acts(m), vec![0f32; m * rows]);
                 let t = best(budget, || {
-                    q4k_x8::matmul(&pool, &packed, rows, COLS, &xq, m, true, &mut out);
+                    q4_k_x8::matmul(&pool, &packed, rows, COLS, &xq, m, true, &mut out);
                     black_box(&out);
                 });
                 report(&format!("x8 matmul m{m}"), d, t, m, base(m));
@@ -293,10 +295,10 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
             for m in [8, 16, 64] {
                 let (xq, mut out) = (acts(m), vec![0f32; m * rows]);
                 let t = best(budget, || {
-                    q6k_x8::matmul(
+                    q6_k_panels::matmul(
                         &pool,
                         &d.w,
-                        q6k_x16::Layout::File,
+                        q6_k_x16::Layout::File,
                         rows,
                         COLS,
                         &xq,
@@ -312,12 +314,12 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
             decode_rows_line(ty, d, budget, sdot);
             x16_gemv_line(ty, d, &pool, budget, sdot);
             for m in [4, 16, 64, 512] {
-                if !q80_gemm::applies(ty, COLS, m) {
+                if !q8_0_panels::applies(ty, COLS, m) {
                     continue;
                 }
                 let (xq, mut out) = (acts(m), vec![0f32; m * rows]);
                 let t = best(budget, || {
-                    q80_gemm::matmul(&pool, ty, &d.w, rows, COLS, &xq, m, &mut out);
+                    q8_0_panels::matmul(&pool, ty, &d.w, rows, COLS, &xq, m, &mut out);
                     black_box(&out);
                 });
                 report(&format!("panel matmul m{m}"), d, t, m, base(m));
@@ -330,7 +332,9 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
 /// The x8 GEMV streaming a packed matrix far larger than the caches (copies of `packed`), on
 /// ordinary and on huge pages, with one and with two threads.
 fn cold_gemv(packed: &[u8], rows: usize, d: &Data, budget: Duration) {
-    use infer::kernels::cpu::{hugebuf::HugeBuf, pool::ThreadPool, q4k_x8};
+    use infer::kernels::cpu::layouts::q4_k_x8;
+    use infer::kernels::cpu::memory::hugebuf::HugeBuf;
+    use infer::kernels::cpu::threads::pool::ThreadPool;
     let copies = COLD_BYTES / packed.len();
     let big_rows = rows * copies;
     let mut huge = HugeBuf::zeroed(copies * packed.len());
@@ -350,7 +354,7 @@ fn cold_gemv(packed: &[u8], rows: usize, d: &Data, budget: Duration) {
         let pool = ThreadPool::new(threads);
         for (name, w) in [("4k pages", &small[..]), ("huge pages", &huge[..])] {
             let t = best(budget * 2, || {
-                q4k_x8::matmul(&pool, w, big_rows, COLS, &xq, 1, true, &mut out);
+                q4_k_x8::matmul(&pool, w, big_rows, COLS, &xq, 1, true, &mut out);
                 black_box(&out);
             });
             println!(
@@ -361,25 +365,25 @@ fn cold_gemv(packed: &[u8], rows: usize, d: &Data, budget: Duration) {
     }
 }
 
-/// The x16 decode layouts (`q6k_x16`, `q5_0_x16`, `q8_0_x16`) where this CPU packs them: one activation row
+/// The x16 decode layouts (`q6_k_x16`, `q5_0_x16`, `q8_0_x16`) where this CPU packs them: one activation row
 /// against the whole matrix, sixteen rows per kernel call.
 fn x16_gemv_line(
     ty: GgmlType,
     d: &Data,
-    pool: &infer::kernels::cpu::pool::ThreadPool,
+    pool: &infer::kernels::cpu::threads::pool::ThreadPool,
     budget: Duration,
     sdot: Duration,
 ) {
-    use infer::kernels::cpu::{q5_0_x16, q6k_x16, q8_0_x16};
+    use infer::kernels::cpu::layouts::{q5_0_x16, q6_k_x16, q8_0_x16};
     let rows = d.rows();
     let a = &d.acts[..d.act_bytes];
     let mut out = vec![0f32; rows];
     let mut packed = vec![0u8; d.w.len()];
     let t = match ty {
-        GgmlType::Q6K if q6k_x16::applies(rows, COLS) => {
-            q6k_x16::pack_into(pool, &d.w, rows, COLS, &mut packed);
+        GgmlType::Q6K if q6_k_x16::applies(rows, COLS) => {
+            q6_k_x16::pack_into(pool, &d.w, rows, COLS, &mut packed);
             best(budget, || {
-                q6k_x16::gemv(COLS, &packed, a, &mut out);
+                q6_k_x16::gemv(COLS, &packed, a, &mut out);
                 black_box(&out);
             })
         }

@@ -1,4 +1,4 @@
-//! Dispatch-cost benchmark for `kernels::cpu::pool::ThreadPool` (plain `main`, `harness = false`).
+//! Dispatch-cost benchmark for `kernels::cpu::threads::pool::ThreadPool` (plain `main`, `harness = false`).
 //!
 //! Measures, per parallel region: an empty `broadcast` on hot (spinning) workers (which the caller
 //! may finish alone by running late workers' indices itself), a round trip in which every
@@ -11,7 +11,7 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use infer::kernels::cpu::pool::{physical_cores, ThreadPool, SPIN};
+use infer::kernels::cpu::threads::pool::{physical_cores, ThreadPool, SPIN};
 
 struct Stats {
     median: f64,

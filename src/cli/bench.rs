@@ -14,7 +14,7 @@ use crate::cli::args::BenchArgs;
 use crate::cli::load::load;
 use crate::cli::{note, UsageError};
 use infer::engine::runner::Sequence;
-use infer::kernels::cpu::membw::BandwidthBuffer;
+use infer::kernels::cpu::memory::bandwidth::BandwidthBuffer;
 use infer::kernels::cuda::device::DeviceBackend;
 use infer::kernels::cuda::launch::DevBuf;
 use infer::model::weights::bytes_per_token;

@@ -15,7 +15,7 @@ use infer::eval::observe::Observed;
 use infer::eval::perplexity::{first_scored, windows, Evaluator, Options};
 use infer::eval::stats::{score_rows, Mean};
 use infer::kernels::cpu::backend::CpuBackend;
-use infer::kernels::cpu::pool::physical_cores;
+use infer::kernels::cpu::threads::pool::physical_cores;
 use infer::model::{Model, ModelConfig, Weights};
 
 /// Tokens per forward call.

@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use infer::engine::runner::Runner;
 use infer::format::Gguf;
 use infer::kernels::cpu::backend::CpuBackend;
-use infer::kernels::cpu::pool::physical_cores;
+use infer::kernels::cpu::threads::pool::physical_cores;
 use infer::kernels::cuda::backend::CudaBackend;
 use infer::kernels::cuda::device::DeviceBackend;
 use infer::kernels::cuda::launch::Launch;

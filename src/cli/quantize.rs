@@ -8,7 +8,7 @@ use crate::cli::args::QuantizeArgs;
 use crate::cli::UsageError;
 use infer::convert::{self, Options, Target};
 use infer::eval::imatrix::Imatrix;
-use infer::kernels::cpu::pool::physical_cores;
+use infer::kernels::cpu::threads::pool::physical_cores;
 
 pub fn quantize(a: QuantizeArgs) -> Result<()> {
     let target = Target::parse(&a.ty).map_err(|e| UsageError(e.to_string()))?;

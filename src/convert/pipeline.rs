@@ -19,7 +19,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::safetensors::HfTensor;
 use crate::eval::imatrix::Imatrix;
 use crate::format::{GgmlType, GgufWriter, Value};
-use crate::kernels::cpu::pool::ThreadPool;
+use crate::kernels::cpu::threads::pool::ThreadPool;
 use crate::quant;
 
 /// llama.cpp's `LlamaModel.permute` for one Q or K projection: within each of `n_head` heads, the

@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Result};
 
-use crate::engine::blocks::BlockManager;
+use crate::engine::kv_blocks::BlockManager;
 use crate::model::{Backend, BatchEntry, Model};
 
 /// Positions per KV block.

@@ -1,6 +1,6 @@
 //! The CPU implementation of `model::Backend`. Weights stay zero-copy views into the memory-mapped
 //! file; activations are plain `Vec<f32>`; the KV cache is paged f16 storage on huge pages
-//! ([`KvPlane`]; f32 for models computed in f32, see `attention_f32`). Every op that touches a matrix
+//! ([`KvPlane`]; f32 for models computed in f32, see `attention::f32_cache`). Every op that touches a matrix
 //! splits its output rows across the persistent thread pool; no op allocates per row.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,20 +11,20 @@ use half::slice::HalfFloatSliceExt;
 
 use crate::format::{GgmlType, Gguf};
 use crate::kernels::cpu::attention;
-use crate::kernels::cpu::attention_f32::{self, KvF32};
-use crate::kernels::cpu::attn_block;
-use crate::kernels::cpu::ffn;
-use crate::kernels::cpu::hugebuf::{Arena, Region};
-use crate::kernels::cpu::kv_plane::KvPlane;
+use crate::kernels::cpu::attention::f32_cache::{self, KvF32};
+use crate::kernels::cpu::fused;
+use crate::kernels::cpu::fused::ffn;
+use crate::kernels::cpu::layouts::q4_k_x8;
+use crate::kernels::cpu::layouts::q5_0_x16;
+use crate::kernels::cpu::layouts::q6_k_x16;
+use crate::kernels::cpu::layouts::q6_k_x4;
+use crate::kernels::cpu::layouts::q8_0_x16;
 use crate::kernels::cpu::matmul;
+use crate::kernels::cpu::memory::hugebuf::{Arena, Region};
+use crate::kernels::cpu::memory::kv_plane::KvPlane;
 use crate::kernels::cpu::ops;
-use crate::kernels::cpu::pool::ThreadPool;
-use crate::kernels::cpu::q4k_x8;
-use crate::kernels::cpu::q5_0_x16;
-use crate::kernels::cpu::q6k_x16;
-use crate::kernels::cpu::q6k_x4;
-use crate::kernels::cpu::q8_0_x16;
-use crate::kernels::cpu::rope::RopeTables;
+use crate::kernels::cpu::ops::rope::RopeTables;
+use crate::kernels::cpu::threads::pool::ThreadPool;
 use crate::model::backend::{
     attention_block_steps, ffn_dense_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch,
     AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
@@ -43,8 +43,8 @@ pub struct CpuWeight {
     /// Where the matrix starts in the tensor's data (a row range of a fused or stacked tensor).
     offset: usize,
     /// The repacked copy a matmul reads instead of the file's bytes: the x8 layout of a Q4_K
-    /// matrix (`q4k_x8`, every matmul), the x16 or x4 layout of a Q6_K one (`q6k_x16`,
-    /// `q6k_x4`: decode and GEMM) or the x16 layout of a Q5_0 one (`q5_0_x16`: decode only, next
+    /// matrix (`q4_k_x8`, every matmul), the x16 or x4 layout of a Q6_K one (`q6_k_x16`,
+    /// `q6_k_x4`: decode and GEMM) or the x16 layout of a Q5_0 one (`q5_0_x16`: decode only, next
     /// to `resident`), built at load or on first use; embedding lookups always read the file.
     packed: OnceLock<Region>,
     /// A plain copy of the matrix on huge pages that every read uses instead of the file, for the
@@ -67,12 +67,12 @@ impl CpuWeight {
 
     /// The x8-packed Q4_K bytes, packing on first use; `None` for other types and shapes.
     pub fn packed_q4k(&self, pool: &ThreadPool) -> Option<&[u8]> {
-        if self.ty != GgmlType::Q4K || !q4k_x8::packable(self.rows, self.cols) {
+        if self.ty != GgmlType::Q4K || !q4_k_x8::packable(self.rows, self.cols) {
             return None;
         }
         Some(self.packed.get_or_init(|| {
             self.arena.alloc(self.bytes().len(), |out| {
-                q4k_x8::pack_into(pool, self.bytes(), self.rows, self.cols, out)
+                q4_k_x8::pack_into(pool, self.bytes(), self.rows, self.cols, out)
             })
         }))
     }
@@ -104,15 +104,15 @@ impl CpuWeight {
         }))
     }
 
-    /// Where this matrix's Q6_K decode copy keeps its blocks ([`q6k_x16::Layout::File`]: no
+    /// Where this matrix's Q6_K decode copy keeps its blocks ([`q6_k_x16::Layout::File`]: no
     /// copy, for other types and shapes and where this CPU has no x4 or x16 kernel).
-    pub fn q6k_layout(&self) -> q6k_x16::Layout {
-        use q6k_x16::Layout;
+    pub fn q6k_layout(&self) -> q6_k_x16::Layout {
+        use q6_k_x16::Layout;
         if self.ty != GgmlType::Q6K {
             Layout::File
-        } else if q6k_x16::applies(self.rows, self.cols) {
+        } else if q6_k_x16::applies(self.rows, self.cols) {
             Layout::X16
-        } else if q6k_x4::packable(self.rows, self.cols)
+        } else if q6_k_x4::packable(self.rows, self.cols)
             && crate::kernels::cpu::simd::dot_x4(self.ty).is_some()
         {
             Layout::X4
@@ -125,16 +125,16 @@ impl CpuWeight {
     /// [`Self::q6k_layout`]), packing on first use; `None` where there is no copy.
     pub fn packed_q6k(&self, pool: &ThreadPool) -> Option<&[u8]> {
         let layout = self.q6k_layout();
-        if layout == q6k_x16::Layout::File {
+        if layout == q6_k_x16::Layout::File {
             return None;
         }
         Some(self.packed.get_or_init(|| {
             self.arena.alloc(self.bytes().len(), |out| {
                 let (src, rows, cols) = (self.bytes(), self.rows, self.cols);
-                if layout == q6k_x16::Layout::X16 {
-                    q6k_x16::pack_into(pool, src, rows, cols, out)
+                if layout == q6_k_x16::Layout::X16 {
+                    q6_k_x16::pack_into(pool, src, rows, cols, out)
                 } else {
-                    q6k_x4::pack_into(pool, src, rows, cols, out)
+                    q6_k_x4::pack_into(pool, src, rows, cols, out)
                 }
             })
         }))
@@ -513,7 +513,7 @@ impl Backend for CpuBackend {
         s: AttnScratch<'_, Self>,
         out: &mut CpuAct,
     ) {
-        if let Err(s) = attn_block::decode(self, h, blk, kv, layer, batch, s, out) {
+        if let Err(s) = fused::attention::decode(self, h, blk, kv, layer, batch, s, out) {
             attention_block_steps(self, h, blk, kv, layer, batch, s, out);
         }
     }
@@ -529,7 +529,7 @@ impl Backend for CpuBackend {
     ) {
         if let Some(kv32) = &kv.f32 {
             let bs = kv.block_size;
-            return attention_f32::attention(&self.pool, q, kv32, layer, bs, queries, shape, out);
+            return f32_cache::attention(&self.pool, q, kv32, layer, bs, queries, shape, out);
         }
         let invariant = self.row_invariant.load(Ordering::Relaxed);
         attention::attention(&self.pool, q, kv, layer, queries, shape, out, invariant);

@@ -2,36 +2,20 @@
 //! element-wise ops, gathered behind `CpuBackend`.
 
 pub mod attention;
-pub mod attention_f32;
-pub(crate) mod attn_block;
 pub mod backend;
-pub mod chain;
-pub mod ffn;
-pub mod hugebuf;
-pub mod kv_plane;
+pub mod fused;
+pub mod layouts;
 pub mod matmul;
-pub mod membw;
-pub mod norm;
+pub mod memory;
 pub mod ops;
-pub mod pool;
-pub mod prefetch;
-pub mod q4k_x8;
-pub mod q5_0_x16;
-pub mod q6k_x16;
-pub mod q6k_x4;
-pub mod q6k_x8;
-pub mod q80_gemm;
-pub mod q8_0_x16;
-pub mod rope;
 pub mod simd;
-pub mod split;
-pub mod x16;
+pub mod threads;
 
 /// A value on a 64-byte boundary. A kernel that keeps a local in one makes the compiler align its
 /// whole stack frame, so the 64-byte vectors it spills sit on whole lines; on a frame 16 or 48
 /// bytes off a line those spills are split stores whose reloads cannot be forwarded, and the
 /// kernel's speed depends on where the calling thread's stack happens to sit. Q4_K's one-row GEMV
-/// (`q4k_x8`) runs out of vector registers and keeps its activation sums in one: before, its rows
+/// (`q4_k_x8`) runs out of vector registers and keeps its activation sums in one: before, its rows
 /// in L2 on one thread ran at 22-25 GB/s at two of the four 16-byte stack offsets and 43-44 at
 /// the other two (Zen 4, 2026-11-26), and against that unaligned kernel, alternated in one
 /// process, Qwen2.5-1.5B's decode step is 4.3-8.3% shorter while the probe reads 50-53 GB/s

@@ -8,7 +8,7 @@
 //! [`crate::quant::vec_dot_type`] of the weight type — and that reference is the scalar twin of
 //! every kernel: [`kernels`] returns `None` where only it exists, and [`reference()`] wraps it in the
 //! same shape. Q4_K has a second flavour, [`q4k_gemm_kernels`], for the activation rows llama.cpp
-//! multiplies with its GEMM rather than its GEMV (scalar twin: [`q4k_gemm`]).
+//! multiplies with its GEMM rather than its GEMV (scalar twin: [`q4_k_gemm`]).
 //!
 //! Invariants every kernel keeps (and the tests check):
 //! - Integer parts are exact, as in ggml. The float accumulation follows the ggml-cpu x86 kernel
@@ -40,7 +40,7 @@ use crate::format::GgmlType;
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
-pub mod q4k_gemm;
+pub mod q4_k_gemm;
 #[cfg(test)]
 mod tests;
 
@@ -81,7 +81,7 @@ pub fn dot_rows_at(level: Level, ty: GgmlType) -> Option<DotRowsFn> {
     }
 }
 
-/// `out.len()` weight rows (a multiple of four) stored in the x4 layout (`q6k_x4`: four rows'
+/// `out.len()` weight rows (a multiple of four) stored in the x4 layout (`q6_k_x4`: four rows'
 /// blocks interleaved) times one activation row `a`; each output bit-identical to the level's
 /// [`DotRowsFn`] on the same rows in file layout.
 pub type DotX4Fn = fn(n: usize, w: &[u8], a: &[u8], out: &mut [f32]);
@@ -255,14 +255,14 @@ pub fn reference(ty: GgmlType) -> Option<Kernels> {
 }
 
 /// Q4_K kernels that accumulate like llama.cpp's repacked Q4_K **GEMM** (one `fma` per pair of
-/// sub-blocks; see [`q4k_gemm`]) rather than its GEMV (one per super-block, which is what
+/// sub-blocks; see [`q4_k_gemm`]) rather than its GEMV (one per super-block, which is what
 /// `kernels(Q4K)` does). llama.cpp uses the GEMM for whole groups of four activation rows of a
 /// matrix with a multiple of 8 rows, the GEMV for the rest. The best level in use, else the scalar
-/// twin [`q4k_gemm::dot`] / [`q4k_gemm::tile`] (name `"scalar/q4_K-gemm"`).
+/// twin [`q4_k_gemm::dot`] / [`q4_k_gemm::tile`] (name `"scalar/q4_K-gemm"`).
 pub fn q4k_gemm_kernels() -> Kernels {
     q4k_gemm_kernels_at(current()).unwrap_or(Kernels {
-        dot: q4k_gemm::dot,
-        tile: q4k_gemm::tile,
+        dot: q4_k_gemm::dot,
+        tile: q4_k_gemm::tile,
         name: "scalar/q4_K-gemm",
     })
 }

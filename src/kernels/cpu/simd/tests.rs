@@ -229,8 +229,8 @@ fn simd_kernels_match_reference_and_tiles_match_dots() {
 #[test]
 fn q4k_gemm_kernels_match_their_scalar_twin() {
     let twin = Kernels {
-        dot: q4k_gemm::dot,
-        tile: q4k_gemm::tile,
+        dot: q4_k_gemm::dot,
+        tile: q4_k_gemm::tile,
         name: "scalar/q4_K-gemm",
     };
     let mut rng = Rng(0xfeed_beef);
