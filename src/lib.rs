@@ -6,6 +6,7 @@
 //! generation) → `cli` (the `infer` command, a client of the engine).
 
 pub mod chat;
+pub mod check;
 pub mod convert;
 pub mod engine;
 pub mod eval;

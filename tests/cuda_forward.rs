@@ -1,5 +1,5 @@
 //! Whole forward passes through the CUDA backend's host logic and kernels, run on the CPU emulator,
-//! against the CPU backend (`infer::kernels::cuda::check_forward`): tiny checkpoints of several
+//! against the CPU backend (`infer::check::cuda_forward`): tiny checkpoints of several
 //! architectures (tests/fixtures/convert/hf-tiny: GQA llama, Qwen2 with biases, Gemma 3 with
 //! GeGLU, q/k norms and sliding windows, Mixtral MoE, DeepSeek MLA) converted with
 //! `infer quantize --from-hf`, plus a synthetic 256-wide llama written here so that the k-quant
@@ -22,7 +22,7 @@ mod cuda_emu;
 use std::path::{Path, PathBuf};
 
 use common::{infer, root, stderr};
-use infer::kernels::cuda::check_forward;
+use infer::check::cuda_forward as check_forward;
 
 fn convert(src: &Path, name: &str, ty: &str) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cuda-forward");

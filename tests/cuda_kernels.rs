@@ -1,11 +1,11 @@
 //! Every CUDA kernel, run on the CPU emulator, against the crate's scalar reference
-//! (`infer::kernels::cuda::check`: the same checks `infer selftest --device cuda` runs on a GPU),
+//! (`infer::check::cuda_kernels`: the same checks `infer selftest --device cuda` runs on a GPU),
 //! plus the emulator's own guarantees: a divergent warp shuffle and a mismatched barrier are
 //! reported with their source line instead of passing silently.
 
 mod cuda_emu;
 
-use infer::kernels::cuda::check;
+use infer::check::cuda_kernels as check;
 use infer::kernels::cuda::launch::DevBuf;
 
 #[test]

@@ -1,5 +1,5 @@
 //! `infer selftest`: on a machine with a CUDA GPU, runs every kernel check of
-//! `kernels::cuda::check` (the ones the tests run on the CPU emulator) on the real device, and
+//! `check::cuda_kernels` (the ones the tests run on the CPU emulator) on the real device, and
 //! optionally a whole forward pass of a model on both backends, and prints a pass/fail table with
 //! timings on stdout. Exit status 1 if any check fails or no device is usable.
 
@@ -8,9 +8,10 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Result};
 
 use crate::cli::args::SelftestArgs;
+use infer::check::{cuda_forward as check_forward, cuda_kernels as check};
 use infer::format::{GgmlType, Gguf};
+use infer::kernels::cuda::driver;
 use infer::kernels::cuda::launch::{Arg, Launch};
-use infer::kernels::cuda::{check, check_forward, driver};
 use infer::model::ModelConfig;
 use std::time::Instant;
 

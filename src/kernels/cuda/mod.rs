@@ -4,14 +4,11 @@
 //! (allocate, copy, launch a kernel by name) with two implementations: [`driver::CudaDriver`] over
 //! cudarc for a real GPU, and the CPU emulator of the tests (`tests/cuda_emu/`), which runs the
 //! same `.cu` sources on the host. [`backend::CudaBackend`] implements `model::Backend` on top of
-//! it; [`check`] compares each kernel and a whole forward pass with the CPU backend (used by the
-//! tests and by `infer selftest`). Nothing here needs CUDA to build: the driver library is loaded
+//! it. The checks that compare each kernel and a whole forward pass with the CPU backend live above
+//! the engine, in `crate::check` (used by the tests and by `infer selftest`). Nothing here needs CUDA to build: the driver library is loaded
 //! at run time, and only after [`driver::probe`] has found it.
 
 pub mod backend;
-pub mod check;
-pub mod check_attn;
-pub mod check_forward;
 pub mod device;
 pub mod driver;
 mod graphs;

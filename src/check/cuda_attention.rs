@@ -1,4 +1,4 @@
-//! The attention check of [`super::check`]: split-KV attention over a paged f16 cache with
+//! The attention kernels' check (part of [`super::cuda_kernels::run_all`]): split-KV attention over a paged f16 cache with
 //! scrambled block tables, against an f64 softmax over the same f16 keys and values, for plain
 //! multi-head, GQA and MQA layouts, several splits and a sliding window; and the tiled prefill
 //! kernel on batches of consecutive rows of two sequences (tiles cut at the sequence boundary).
@@ -9,9 +9,9 @@ use std::time::Instant;
 use anyhow::Result;
 use half::f16;
 
-use super::check::{floats, Check};
-use super::launch::{DevBuf, Launch};
-use super::ops::{self, AttnArgs};
+use super::cuda_kernels::{floats, Check};
+use crate::kernels::cuda::launch::{DevBuf, Launch};
+use crate::kernels::cuda::ops::{self, AttnArgs};
 
 const BLOCK: usize = 32;
 const N_BLOCKS: usize = 16;

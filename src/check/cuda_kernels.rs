@@ -12,10 +12,10 @@ use std::time::Instant;
 use anyhow::Result;
 use half::f16;
 
-use super::launch::{DevBuf, Launch};
-use super::ops;
 use crate::format::GgmlType;
 use crate::kernels::cpu::ops as cpu;
+use crate::kernels::cuda::launch::{DevBuf, Launch};
+use crate::kernels::cuda::ops;
 use crate::model::backend::HeadCopy;
 use crate::model::config::{Activation, RopeStyle};
 use crate::quant;
@@ -128,7 +128,7 @@ pub fn run_all(l: &Arc<dyn Launch>) -> Result<Vec<Check>> {
     elementwise(&mut c)?;
     argmax(&mut c)?;
     top_k(&mut c)?;
-    super::check_attn::attention(l, &mut c.out)?;
+    super::cuda_attention::attention(l, &mut c.out)?;
     Ok(c.out)
 }
 

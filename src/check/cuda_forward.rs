@@ -1,4 +1,4 @@
-//! The whole-model check of [`super::check`]: one GGUF loaded twice, on the CPU backend and on the
+//! The whole-model CUDA check: one GGUF loaded twice, on the CPU backend and on the
 //! CUDA backend over a given [`Launch`], runs a prompt (every position's logits) and then a few
 //! greedy decode steps (tokens chosen by the CPU run, fed to both), and the logits are compared.
 //! The two backends quantize activations differently (the CPU follows llama.cpp's CPU kernels:
@@ -11,12 +11,12 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 
-use super::backend::CudaBackend;
-use super::device::DeviceBackend;
-use super::launch::Launch;
 use crate::engine::runner::{Runner, Sequence, BLOCK_SIZE};
 use crate::format::Gguf;
 use crate::kernels::cpu::backend::CpuBackend;
+use crate::kernels::cuda::backend::CudaBackend;
+use crate::kernels::cuda::device::DeviceBackend;
+use crate::kernels::cuda::launch::Launch;
 use crate::model::{Backend, Model, ModelConfig, Weights};
 
 #[derive(Clone, Debug)]
