@@ -49,21 +49,19 @@ impl Rng {
     }
 }
 
-const DOT_TYPES: [GgmlType; 13] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2K,
-    GgmlType::Q3K,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+/// Every weight type `quant` registers: each has a dot product, a quantizer and a dequantizer,
+/// and every property below holds for each (a type added to the registry is checked here without
+/// naming it).
+fn dot_types() -> Vec<GgmlType> {
+    let types: Vec<GgmlType> = infer::quant::types::TYPES.iter().map(|o| o.ty).collect();
+    use GgmlType::*;
+    for t in [
+        F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K,
+    ] {
+        assert!(types.contains(&t), "{} is registered", t.name());
+    }
+    types
+}
 
 #[test]
 fn block_layouts_match_format_types() {
@@ -189,7 +187,7 @@ fn vec_dot_types_follow_ggml_cpu() {
     ] {
         assert_eq!(vec_dot_type(w), a, "{}", w.name());
     }
-    for t in DOT_TYPES {
+    for t in dot_types() {
         assert!(supports_vec_dot(t));
     }
     assert!(!supports_vec_dot(Q8K) && !supports_vec_dot(IQ2XXS));
@@ -281,7 +279,7 @@ fn q8_1_sum_term(t: GgmlType, w: &[u8], a: &[u8]) -> f64 {
 #[test]
 fn dot_products_are_within_the_activation_quantization_bound() {
     let mut rng = Rng(0x5eed);
-    for t in DOT_TYPES {
+    for t in dot_types() {
         for trial in 0..6 {
             let n = if trial % 2 == 0 { 1024 } else { 512 };
             let xw = rng.row(n, 0.05);

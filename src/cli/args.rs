@@ -115,15 +115,17 @@ pub struct QuantizeArgs {
     /// Output GGUF file (written atomically)
     #[arg(short, long, value_name = "FILE")]
     pub out: PathBuf,
-    /// Target type: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k
-    /// (every eligible tensor), or the llama.cpp mixes q3_k_m, q4_k_m, q5_k_m
+    /// Target type: a weight type for every eligible tensor (f16, q8_0, q4_0, q4_k, q6_k, ...; an
+    /// unknown name is answered with the whole list), or the llama.cpp mixes q3_k_m, q4_k_m,
+    /// q5_k_m
     #[arg(long = "type", value_name = "TYPE")]
     pub ty: String,
     /// Threads (default: the number of physical cores)
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
     /// Importance matrix (`infer imatrix`, or llama.cpp's legacy imatrix.dat) weighting the
-    /// quantization error of q2_k..q6_k and q4_0/q4_1/q5_0/q5_1
+    /// quantization error of the types whose ggml search uses one (the k-quants, q4_0..q5_1 and
+    /// others; the rest ignore it)
     #[arg(long, value_name = "FILE")]
     pub imatrix: Option<PathBuf>,
 }

@@ -2,10 +2,11 @@
 //! llama.cpp's k-quant mixes (`q3_k_m`, `q4_k_m`, `q5_k_m`) whose per-tensor choices live in
 //! [`super::policy`].
 //!
-//! Invariants: every [`Target`] names a type `quant::quantize_row` can produce, and
-//! [`Target::file_type`] is the `general.file_type` (`llama_ftype`) llama.cpp writes for it — a
-//! plain k-quant is recorded as the "small" member of its family (`q4_k` → `MOSTLY_Q4_K_S`),
-//! since llama.cpp has no "pure Q4_K" file type.
+//! Invariants: every [`Target`] names a type `quant::quantize_row` can produce (a plain target is
+//! any registered weight type), and [`Target::file_type`] is the `general.file_type`
+//! (`llama_ftype`) llama.cpp writes for it: the mix's, or the plain type's own
+//! (`quant::QuantType::FILE_TYPE`; a plain k-quant is recorded as the "small" member of its
+//! family, `q4_k` → `MOSTLY_Q4_K_S`, since llama.cpp has no "pure Q4_K" file type).
 
 use std::fmt;
 
@@ -32,27 +33,15 @@ pub enum Target {
     Mix(Mix),
 }
 
-/// The plain types `--type` accepts, in the order help text lists them.
-pub const PLAIN_TYPES: [GgmlType; 13] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q2K,
-    GgmlType::Q3K,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+/// The plain types `--type` accepts, in the order help text lists them: every weight type
+/// `quant` registers.
+pub fn plain_types() -> impl Iterator<Item = GgmlType> {
+    crate::quant::types::TYPES.iter().map(|o| o.ty)
+}
 
 /// Every name `--type` accepts, lower case, for messages.
 pub fn supported_names() -> String {
-    let mut names: Vec<String> = PLAIN_TYPES
-        .iter()
+    let mut names: Vec<String> = plain_types()
         .map(|t| t.name().to_ascii_lowercase())
         .collect();
     names.extend(["q3_k_m", "q4_k_m", "q5_k_m"].map(String::from));
@@ -73,7 +62,7 @@ impl Target {
             return Ok(Target::Mix(m));
         }
         match GgmlType::from_name(&lower) {
-            Some(t) if PLAIN_TYPES.contains(&t) => Ok(Target::Plain(t)),
+            Some(t) if plain_types().any(|p| p == t) => Ok(Target::Plain(t)),
             _ => bail!(
                 "unsupported quantization type '{s}' (supported: {})",
                 supported_names()
@@ -98,23 +87,11 @@ impl Target {
             Target::Mix(Mix::Q3KM) => 12,
             Target::Mix(Mix::Q4KM) => 15,
             Target::Mix(Mix::Q5KM) => 17,
-            Target::Plain(t) => match t {
-                GgmlType::F32 => 0,
-                GgmlType::F16 => 1,
-                GgmlType::Q4_0 => 2,
-                GgmlType::Q4_1 => 3,
-                GgmlType::Q8_0 => 7,
-                GgmlType::Q5_0 => 8,
-                GgmlType::Q5_1 => 9,
-                GgmlType::Q2K => 10,
-                GgmlType::Q3K => 11,
-                GgmlType::Q4K => 14,
-                GgmlType::Q5K => 16,
-                GgmlType::Q6K => 18,
-                GgmlType::BF16 => 32,
-                // `parse` accepts only PLAIN_TYPES, all listed above.
-                other => unreachable!("{other} is not a plain target type"),
-            },
+            Target::Plain(t) => {
+                crate::quant::ops(t)
+                    .expect("`parse` accepts only registered types")
+                    .file_type
+            }
         }
     }
 
@@ -141,7 +118,7 @@ mod tests {
 
     #[test]
     fn parses_every_supported_name() {
-        for t in PLAIN_TYPES {
+        for t in plain_types() {
             let name = t.name().to_ascii_lowercase();
             assert_eq!(Target::parse(&name).unwrap(), Target::Plain(t));
             assert_eq!(Target::parse(&name).unwrap().to_string(), name);

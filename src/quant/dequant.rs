@@ -18,26 +18,14 @@ use crate::format::GgmlType;
 
 /// Dequantizes one row of `ty` from `src` (exactly the row's bytes) into `dst` (its elements).
 ///
-/// Supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K.
+/// Supported: every registered weight type (`super::types::TYPES`) and the activation format Q8_K.
 /// Errors for other types (naming the type), for `dst.len()` not a multiple of the block size, and
 /// for `src.len()` differing from the bytes of `dst.len()` elements.
 pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<()> {
-    let f: fn(&[u8], &mut [f32]) = match ty {
-        GgmlType::F32 => dequantize_row_f32,
-        GgmlType::F16 => dequantize_row_f16,
-        GgmlType::BF16 => dequantize_row_bf16,
-        GgmlType::Q4_0 => dequantize_row_q4_0,
-        GgmlType::Q4_1 => dequantize_row_q4_1,
-        GgmlType::Q5_0 => dequantize_row_q5_0,
-        GgmlType::Q5_1 => dequantize_row_q5_1,
-        GgmlType::Q8_0 => dequantize_row_q8_0,
-        GgmlType::Q2K => dequantize_row_q2k,
-        GgmlType::Q3K => dequantize_row_q3k,
-        GgmlType::Q4K => dequantize_row_q4k,
-        GgmlType::Q5K => dequantize_row_q5k,
-        GgmlType::Q6K => dequantize_row_q6k,
-        GgmlType::Q8K => dequantize_row_q8k,
-        other => bail!("dequantization of {} is not supported", other.name()),
+    let f: fn(&[u8], &mut [f32]) = match super::types::ops(ty) {
+        Some(o) => o.dequantize,
+        None if ty == GgmlType::Q8K => dequantize_row_q8k,
+        None => bail!("dequantization of {} is not supported", ty.name()),
     };
     let block = ty.block_size();
     ensure!(

@@ -1,20 +1,25 @@
 //! Quantized block layouts as ggml defines them, with scalar reference dequantize, quantize and dot.
 //!
-//! This module owns the meaning of tensor bytes: `blocks` (ggml's `#[repr(C)]` block structs and
-//! their safe little-endian codecs), `dequant` (`dequantize_row_*`), `quantize` (activation Q8
-//! quantizers and legacy/float weight quantizers), `kquantize` (the k-quant `*_ref` weight
-//! quantizers), `weighted` (their importance-matrix twins, ggml's `*_impl`) and `dot` (ggml's generic `ggml_vec_dot_*`). Everything is scalar, safe Rust
-//! operating on unaligned byte slices, and reproduces ggml's arithmetic bit-for-bit (same rounding
-//! functions, same expression order, no fused multiply-add): it is the reference the SIMD kernels
-//! are tested against. A matmul row is computed as ggml-cpu does: quantize the f32 activations once
-//! to [`vec_dot_type`] of the weight type ([`quantize_activations`]), then [`vec_dot`] each weight
-//! row with them.
+//! This module owns the meaning of tensor bytes. Each weight type is one implementation of
+//! [`types::QuantType`] (layout, dequantize, reference quantizer, importance-weighted quantizer,
+//! scalar dot, llama.cpp file type), registered in [`types::TYPES`] and found by its `GgmlType`
+//! ([`types::ops`]); the functions below dispatch through that registry. The arithmetic lives in
+//! `blocks` (ggml's `#[repr(C)]` block structs and their safe little-endian codecs), `dequant`
+//! (`dequantize_row_*`), `quantize` (activation Q8 quantizers and legacy/float weight quantizers),
+//! `kquantize` (the k-quant `*_ref` weight quantizers), `weighted` (their importance-matrix twins,
+//! ggml's `*_impl`) and `dot` (ggml's generic `ggml_vec_dot_*`); a type added later keeps its
+//! block, arithmetic and `impl QuantType` in one file of its own. Everything is scalar, safe Rust operating on unaligned byte slices, and reproduces
+//! ggml's arithmetic bit-for-bit (same rounding functions, same expression order, no fused
+//! multiply-add): it is the reference the SIMD kernels are tested against. A matmul row is
+//! computed as ggml-cpu does: quantize the f32 activations once to [`vec_dot_type`] of the weight
+//! type ([`quantize_activations`]), then [`vec_dot`] each weight row with them.
 
 pub mod blocks;
 pub mod dequant;
 pub mod dot;
 pub mod kquantize;
 pub mod quantize;
+pub mod types;
 pub mod weighted;
 
 use anyhow::{bail, ensure, Result};
@@ -27,21 +32,25 @@ pub use quantize::{
     quantize_row_q8_0, quantize_row_q8_0_as, quantize_row_q8_1, quantize_row_q8_1_as,
     quantize_row_q8_k, Q8Variant,
 };
+pub use types::{ops, QuantType, TypeOps};
 
-/// The activation format a weight type's dot product consumes (ggml-cpu's `vec_dot_type`):
-/// Q8_0 for Q4_0/Q5_0/Q8_0 (and IQ4_NL, MXFP4), Q8_1 for Q4_1/Q5_1, Q8_K for the k-quants,
-/// i-quants and ternary types, and the type itself for F32, F16 and BF16. The activation formats
-/// Q8_1 and Q8_K map to themselves; integer and F64 types, which have no dot product, to F32.
+/// The activation format a weight type's dot product consumes (ggml-cpu's `vec_dot_type`): a
+/// registered type's [`QuantType::VEC_DOT_TYPE`] (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for
+/// Q4_1/Q5_1, Q8_K for the k-quants, the type itself for F32, F16 and BF16), else ggml's for the
+/// types not implemented here (Q8_0 for IQ4_NL and MXFP4, Q8_K for the other i-quants and the
+/// ternary types).
+/// The activation formats Q8_1 and Q8_K map to themselves; integer and F64 types, which have no
+/// dot product, to F32.
 pub fn vec_dot_type(ty: GgmlType) -> GgmlType {
     use GgmlType::*;
+    if let Some(o) = ops(ty) {
+        return o.vec_dot_type;
+    }
     match ty {
-        F16 => F16,
-        BF16 => BF16,
-        Q4_0 | Q5_0 | Q8_0 | IQ4NL | MXFP4 => Q8_0,
-        Q4_1 | Q5_1 | Q8_1 => Q8_1,
-        Q2K | Q3K | Q4K | Q5K | Q6K | Q8K | IQ2XXS | IQ2XS | IQ3XXS | IQ1S | IQ3S | IQ2S
-        | IQ4XS | IQ1M | TQ1_0 | TQ2_0 => Q8K,
-        // F32, and I8..I64 / F64 (no dot product); also any type added to `GgmlType` later.
+        IQ4NL | MXFP4 => Q8_0,
+        Q8_1 | Q8K => ty,
+        IQ2XXS | IQ2XS | IQ3XXS | IQ1S | IQ3S | IQ2S | IQ4XS | IQ1M | TQ1_0 | TQ2_0 => Q8K,
+        // I8..I64 / F64 (no dot product); also any type added to `GgmlType` later.
         _ => F32,
     }
 }
@@ -99,14 +108,9 @@ pub fn quantize_activations_as(
     Ok(())
 }
 
-/// Whether [`vec_dot`] handles weight type `ty`: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-/// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+/// Whether [`vec_dot`] handles weight type `ty`: every registered type ([`types::TYPES`]).
 pub fn supports_vec_dot(ty: GgmlType) -> bool {
-    use GgmlType::*;
-    matches!(
-        ty,
-        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2K | Q3K | Q4K | Q5K | Q6K
-    )
+    ops(ty).is_some()
 }
 
 /// Scalar reference: the dot of one weight row (`n` elements of `ty`, exactly its bytes) with
@@ -115,96 +119,56 @@ pub fn supports_vec_dot(ty: GgmlType) -> bool {
 /// Panics if `ty` is not [`supports_vec_dot`] or a length is wrong — this is the reference the
 /// kernels are checked against, and callers validate shapes when they load the model.
 pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], act: &[u8]) -> f32 {
-    match ty {
-        GgmlType::F32 => dot::vec_dot_f32(n, w, act),
-        GgmlType::F16 => dot::vec_dot_f16(n, w, act),
-        GgmlType::BF16 => dot::vec_dot_bf16(n, w, act),
-        GgmlType::Q4_0 => dot::vec_dot_q4_0_q8_0(n, w, act),
-        GgmlType::Q4_1 => dot::vec_dot_q4_1_q8_1(n, w, act),
-        GgmlType::Q5_0 => dot::vec_dot_q5_0_q8_0(n, w, act),
-        GgmlType::Q5_1 => dot::vec_dot_q5_1_q8_1(n, w, act),
-        GgmlType::Q8_0 => dot::vec_dot_q8_0_q8_0(n, w, act),
-        GgmlType::Q2K => dot::vec_dot_q2k_q8k(n, w, act),
-        GgmlType::Q3K => dot::vec_dot_q3k_q8k(n, w, act),
-        GgmlType::Q4K => dot::vec_dot_q4k_q8k(n, w, act),
-        GgmlType::Q5K => dot::vec_dot_q5k_q8k(n, w, act),
-        GgmlType::Q6K => dot::vec_dot_q6k_q8k(n, w, act),
-        other => panic!("no scalar dot product for weight type {}", other.name()),
+    match ops(ty) {
+        Some(o) => (o.vec_dot)(n, w, act),
+        None => panic!("no scalar dot product for weight type {}", ty.name()),
     }
 }
 
 /// [`quantize_row`] with an importance per column (`qw`, one imatrix entry: as long as the row):
-/// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0 and Q5_1 minimise the importance-weighted
-/// error as `llama-quantize --imatrix` does; the other types ignore it, as ggml's do.
+/// the types whose ggml search uses one ([`QuantType::WEIGHTED`]: Q2_K..Q6_K, Q4_0, Q4_1, Q5_0,
+/// Q5_1) minimise the importance-weighted error as `llama-quantize --imatrix` does; the
+/// other types ignore it, as ggml's do.
 pub fn quantize_row_weighted(
     ty: GgmlType,
     src: &[f32],
     qw: &[f32],
     dst: &mut Vec<u8>,
 ) -> Result<()> {
-    let f: fn(&[f32], &[f32], &mut [u8]) = match ty {
-        GgmlType::Q2K => weighted::quantize_q2k,
-        GgmlType::Q3K => weighted::quantize_q3k,
-        GgmlType::Q4K => weighted::quantize_q4k,
-        GgmlType::Q5K => weighted::quantize_q5k,
-        GgmlType::Q6K => weighted::quantize_q6k_weighted,
-        GgmlType::Q4_0 => weighted::quantize_q4_0,
-        GgmlType::Q4_1 => weighted::quantize_q4_1,
-        GgmlType::Q5_0 => weighted::quantize_q5_0,
-        GgmlType::Q5_1 => weighted::quantize_q5_1,
-        _ => return quantize_row(ty, src, dst),
-    };
     ensure!(
         qw.len() == src.len(),
         "importance of {} values for a row of {}",
         qw.len(),
         src.len()
     );
-    let Some(bytes) = ty.row_bytes(src.len()) else {
-        bail!(
-            "{} row of {} values is not a whole number of {}-value blocks",
-            ty.name(),
-            src.len(),
-            ty.block_size()
-        );
-    };
-    dst.clear();
-    dst.resize(bytes, 0);
-    f(src, qw, dst);
+    let o = quantizer(ty, src.len(), dst)?;
+    (o.quantize_weighted)(src, qw, dst);
     Ok(())
 }
 
 /// Quantizes f32 weights into `ty` (replacing `dst`'s contents) with ggml's deterministic
-/// reference quantizers (`quantize_row_*_ref`, no importance matrix): F32, F16, BF16, Q4_0, Q4_1,
-/// Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. Errors for other types or a length that is
-/// not a whole number of blocks.
+/// reference quantizers (`quantize_row_*_ref`, no importance matrix), for every registered type
+/// ([`types::TYPES`]). Errors for other types or a length that is not a whole number of blocks.
 pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut Vec<u8>) -> Result<()> {
-    let f: fn(&[f32], &mut [u8]) = match ty {
-        GgmlType::F32 => quantize::quantize_row_f32,
-        GgmlType::F16 => quantize::quantize_row_f16,
-        GgmlType::BF16 => quantize::quantize_row_bf16,
-        GgmlType::Q4_0 => quantize::quantize_row_q4_0,
-        GgmlType::Q4_1 => quantize::quantize_row_q4_1,
-        GgmlType::Q5_0 => quantize::quantize_row_q5_0,
-        GgmlType::Q5_1 => quantize::quantize_row_q5_1,
-        GgmlType::Q8_0 => quantize::quantize_row_q8_0,
-        GgmlType::Q2K => kquantize::quantize_row_q2k,
-        GgmlType::Q3K => kquantize::quantize_row_q3k,
-        GgmlType::Q4K => kquantize::quantize_row_q4k,
-        GgmlType::Q5K => kquantize::quantize_row_q5k,
-        GgmlType::Q6K => kquantize::quantize_row_q6k,
-        other => bail!("quantization to {} is not supported", other.name()),
+    let o = quantizer(ty, src.len(), dst)?;
+    (o.quantize)(src, dst);
+    Ok(())
+}
+
+/// The registered type `ty`, with `dst` sized to the bytes of a row of `n` values of it.
+fn quantizer(ty: GgmlType, n: usize, dst: &mut Vec<u8>) -> Result<&'static TypeOps> {
+    let Some(o) = ops(ty) else {
+        bail!("quantization to {} is not supported", ty.name());
     };
-    let Some(bytes) = ty.row_bytes(src.len()) else {
+    let Some(bytes) = ty.row_bytes(n) else {
         bail!(
             "{} row of {} values is not a whole number of {}-value blocks",
             ty.name(),
-            src.len(),
+            n,
             ty.block_size()
         );
     };
     dst.clear();
     dst.resize(bytes, 0);
-    f(src, dst);
-    Ok(())
+    Ok(o)
 }

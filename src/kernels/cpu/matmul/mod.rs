@@ -42,13 +42,10 @@ pub(crate) use decode::{
     DECODE_UNIT, STACK_THREADS,
 };
 
-/// Weight types this matmul can multiply.
+/// Weight types this matmul can multiply: every type `quant` registers (the unpacked path runs
+/// its SIMD kernels where `simd` has them, else its scalar reference dot product).
 pub fn supported(ty: GgmlType) -> bool {
-    use GgmlType::*;
-    matches!(
-        ty,
-        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2K | Q3K | Q4K | Q5K | Q6K
-    )
+    crate::quant::ops(ty).is_some()
 }
 
 /// Activation rows per tile call (the kernels take up to eight rows at once, Q6_K all eight in one

@@ -230,28 +230,33 @@ pub fn kernels_at(level: Level, ty: GgmlType) -> Option<Kernels> {
 }
 
 /// The scalar reference `crate::quant::vec_dot` for `ty` in the [`Kernels`] shape (its tile is a
-/// loop of dots), or `None` if the reference has no dot for `ty`.
+/// loop of dots), or `None` if `ty` is not a registered weight type (`crate::quant::types`).
 pub fn reference(ty: GgmlType) -> Option<Kernels> {
-    use GgmlType::*;
-    macro_rules! table {
-        ($($t:ident => $name:literal),* $(,)?) => {
-            match ty {
-                $($t => Some(Kernels {
-                    dot: ref_dot::<{ $t as u32 }>,
-                    tile: ref_tile::<{ $t as u32 }>,
-                    name: $name,
-                }),)*
-                _ => None,
-            }
-        };
-    }
-    table!(
-        F32 => "scalar/f32", F16 => "scalar/f16", BF16 => "scalar/bf16",
-        Q4_0 => "scalar/q4_0", Q4_1 => "scalar/q4_1", Q5_0 => "scalar/q5_0",
-        Q5_1 => "scalar/q5_1", Q8_0 => "scalar/q8_0", Q2K => "scalar/q2_K",
-        Q3K => "scalar/q3_K", Q4K => "scalar/q4_K", Q5K => "scalar/q5_K",
-        Q6K => "scalar/q6_K",
-    )
+    let o = crate::quant::ops(ty)?;
+    Some(Kernels {
+        dot: o.vec_dot,
+        tile: o.vec_dot_tile,
+        name: reference_name(ty),
+    })
+}
+
+/// `"scalar/<type>"` for a registered type (ggml's spelling: `q4_K`, `iq4_nl`), made once per type.
+fn reference_name(ty: GgmlType) -> &'static str {
+    static NAMES: OnceLock<Vec<(GgmlType, &'static str)>> = OnceLock::new();
+    let names = NAMES.get_or_init(|| {
+        crate::quant::types::TYPES
+            .iter()
+            .map(|o| {
+                let ggml = o.ty.name().to_ascii_lowercase().replace("_k", "_K");
+                let name: &'static str = format!("scalar/{ggml}").leak();
+                (o.ty, name)
+            })
+            .collect()
+    });
+    names
+        .iter()
+        .find(|(t, _)| *t == ty)
+        .map_or("scalar", |(_, n)| n)
 }
 
 /// Q4_K kernels that accumulate like llama.cpp's repacked Q4_K **GEMM** (one `fma` per pair of
@@ -278,31 +283,6 @@ pub fn q4k_gemm_kernels_at(level: Level) -> Option<Kernels> {
         Level::Avx2 | Level::Avx512 => avx2::q4k_gemm(),
         #[cfg(not(target_arch = "x86_64"))]
         _ => None,
-    }
-}
-
-fn ref_type(id: u32) -> GgmlType {
-    GgmlType::from_id(id).expect("reference() only instantiates known type ids")
-}
-
-fn ref_dot<const T: u32>(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    crate::quant::vec_dot(ref_type(T), n, w, a)
-}
-
-fn ref_tile<const T: u32>(
-    n: usize,
-    w: &[u8],
-    acts: &[u8],
-    act_stride: usize,
-    m: usize,
-    out: &mut [f32],
-) {
-    let ty = ref_type(T);
-    let row = crate::quant::activation_row_bytes(crate::quant::vec_dot_type(ty), n)
-        .expect("n is a whole number of activation blocks");
-    check_tile(row, acts.len(), act_stride, m, out.len());
-    for (j, o) in out[..m].iter_mut().enumerate() {
-        *o = crate::quant::vec_dot(ty, n, w, &acts[j * act_stride..j * act_stride + row]);
     }
 }
 
