@@ -11,6 +11,7 @@ use infer::quant::blocks::{
     get_scale_min_k4, iter_blocks, Block, BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1,
     BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, QK_K,
 };
+use infer::quant::iq4_nl::BlockIQ4NL;
 use infer::quant::{
     dequantize_row, quantize_activations, quantize_activations_as, quantize_row,
     quantize_row_q8_0_as, quantize_row_q8_1_as, quantize_row_q8_k, supports_vec_dot, vec_dot,
@@ -56,7 +57,7 @@ fn dot_types() -> Vec<GgmlType> {
     let types: Vec<GgmlType> = infer::quant::types::TYPES.iter().map(|o| o.ty).collect();
     use GgmlType::*;
     for t in [
-        F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K,
+        F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K, IQ4NL,
     ] {
         assert!(types.contains(&t), "{} is registered", t.name());
     }
@@ -80,6 +81,7 @@ fn block_layouts_match_format_types() {
     check::<BlockQ5K>(GgmlType::Q5K);
     check::<BlockQ6K>(GgmlType::Q6K);
     check::<BlockQ8K>(GgmlType::Q8K);
+    check::<BlockIQ4NL>(GgmlType::IQ4NL);
     // ggml's block_q8_1 is 2 f16 + 32 i8 (gguf-py's size table still lists an older 40-byte layout).
     assert_eq!(BlockQ8_1::BYTES, 36);
     assert_eq!(
@@ -123,6 +125,7 @@ fn block_codecs_round_trip_unaligned_bytes() {
         check::<BlockQ5K>(&mut rng);
         check::<BlockQ6K>(&mut rng);
         check::<BlockQ8K>(&mut rng);
+        check::<BlockIQ4NL>(&mut rng);
     }
     // Field order: Q4_K starts with d, dmin; Q6_K ends with d; Q8_K starts with an f32 d.
     let mut raw = [0u8; 292];
@@ -426,6 +429,7 @@ fn weight_quantizers_reach_their_expected_accuracy() {
         (Q2K, 0.35),
         (Q3K, 0.175),
         (Q4_0, 0.10),
+        (IQ4NL, 0.09),
         (Q4_1, 0.092),
         (Q4K, 0.085),
         (Q5_0, 0.05),

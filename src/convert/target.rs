@@ -152,6 +152,7 @@ mod tests {
             ("q5_k_m", 17),
             ("q6_k", 18),
             ("bf16", 32),
+            ("iq4_nl", 25),
         ];
         for (name, ft) in cases {
             assert_eq!(Target::parse(name).unwrap().file_type(), ft, "{name}");

@@ -52,32 +52,32 @@ pub fn iter_blocks<B: Block>(src: &[u8]) -> impl Iterator<Item = B> + '_ {
 }
 
 /// Sequential little-endian reader over one block's bytes.
-struct Rd<'a> {
+pub(super) struct Rd<'a> {
     b: &'a [u8],
     pos: usize,
 }
 
 impl<'a> Rd<'a> {
-    fn new(b: &'a [u8], len: usize) -> Self {
+    pub(super) fn new(b: &'a [u8], len: usize) -> Self {
         assert!(b.len() >= len, "block needs {len} bytes, got {}", b.len());
         Rd { b, pos: 0 }
     }
-    fn arr<const N: usize>(&mut self) -> [u8; N] {
+    pub(super) fn arr<const N: usize>(&mut self) -> [u8; N] {
         let mut a = [0u8; N];
         a.copy_from_slice(&self.b[self.pos..self.pos + N]);
         self.pos += N;
         a
     }
-    fn f16(&mut self) -> f16 {
+    pub(super) fn f16(&mut self) -> f16 {
         f16::from_le_bytes(self.arr::<2>())
     }
-    fn f32(&mut self) -> f32 {
+    pub(super) fn f32(&mut self) -> f32 {
         f32::from_le_bytes(self.arr::<4>())
     }
-    fn i8s<const N: usize>(&mut self) -> [i8; N] {
+    pub(super) fn i8s<const N: usize>(&mut self) -> [i8; N] {
         self.arr::<N>().map(|v| v as i8)
     }
-    fn i16s<const N: usize>(&mut self) -> [i16; N] {
+    pub(super) fn i16s<const N: usize>(&mut self) -> [i16; N] {
         let mut a = [0i16; N];
         for v in &mut a {
             *v = i16::from_le_bytes(self.arr::<2>());
@@ -87,32 +87,32 @@ impl<'a> Rd<'a> {
 }
 
 /// Sequential little-endian writer over one block's bytes.
-struct Wr<'a> {
+pub(super) struct Wr<'a> {
     b: &'a mut [u8],
     pos: usize,
 }
 
 impl<'a> Wr<'a> {
-    fn new(b: &'a mut [u8], len: usize) -> Self {
+    pub(super) fn new(b: &'a mut [u8], len: usize) -> Self {
         assert!(b.len() >= len, "block needs {len} bytes, got {}", b.len());
         Wr { b, pos: 0 }
     }
-    fn bytes(&mut self, v: &[u8]) {
+    pub(super) fn bytes(&mut self, v: &[u8]) {
         self.b[self.pos..self.pos + v.len()].copy_from_slice(v);
         self.pos += v.len();
     }
-    fn f16(&mut self, v: f16) {
+    pub(super) fn f16(&mut self, v: f16) {
         self.bytes(&v.to_le_bytes());
     }
-    fn f32(&mut self, v: f32) {
+    pub(super) fn f32(&mut self, v: f32) {
         self.bytes(&v.to_le_bytes());
     }
-    fn i8s(&mut self, v: &[i8]) {
+    pub(super) fn i8s(&mut self, v: &[i8]) {
         for &x in v {
             self.bytes(&[x as u8]);
         }
     }
-    fn i16s(&mut self, v: &[i16]) {
+    pub(super) fn i16s(&mut self, v: &[i16]) {
         for &x in v {
             self.bytes(&x.to_le_bytes());
         }

@@ -8,15 +8,17 @@
 //! (`dequantize_row_*`), `quantize` (activation Q8 quantizers and legacy/float weight quantizers),
 //! `kquantize` (the k-quant `*_ref` weight quantizers), `weighted` (their importance-matrix twins,
 //! ggml's `*_impl`) and `dot` (ggml's generic `ggml_vec_dot_*`); a type added later keeps its
-//! block, arithmetic and `impl QuantType` in one file of its own. Everything is scalar, safe Rust operating on unaligned byte slices, and reproduces
-//! ggml's arithmetic bit-for-bit (same rounding functions, same expression order, no fused
-//! multiply-add): it is the reference the SIMD kernels are tested against. A matmul row is
-//! computed as ggml-cpu does: quantize the f32 activations once to [`vec_dot_type`] of the weight
-//! type ([`quantize_activations`]), then [`vec_dot`] each weight row with them.
+//! block, arithmetic and `impl QuantType` in one file of its own (`iq4_nl`). Everything is scalar,
+//! safe Rust operating on unaligned byte slices, and reproduces ggml's arithmetic bit-for-bit
+//! (same rounding functions, same expression order, no fused multiply-add): it is the reference
+//! the SIMD kernels are tested against. A matmul row is computed as ggml-cpu does: quantize the
+//! f32 activations once to [`vec_dot_type`] of the weight type ([`quantize_activations`]), then
+//! [`vec_dot`] each weight row with them.
 
 pub mod blocks;
 pub mod dequant;
 pub mod dot;
+pub mod iq4_nl;
 pub mod kquantize;
 pub mod quantize;
 pub mod types;
@@ -35,10 +37,9 @@ pub use quantize::{
 pub use types::{ops, QuantType, TypeOps};
 
 /// The activation format a weight type's dot product consumes (ggml-cpu's `vec_dot_type`): a
-/// registered type's [`QuantType::VEC_DOT_TYPE`] (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for
+/// registered type's [`QuantType::VEC_DOT_TYPE`] (Q8_0 for Q4_0/Q5_0/Q8_0/IQ4_NL, Q8_1 for
 /// Q4_1/Q5_1, Q8_K for the k-quants, the type itself for F32, F16 and BF16), else ggml's for the
-/// types not implemented here (Q8_0 for IQ4_NL and MXFP4, Q8_K for the other i-quants and the
-/// ternary types).
+/// types not implemented here (Q8_0 for MXFP4, Q8_K for the other i-quants and the ternary types).
 /// The activation formats Q8_1 and Q8_K map to themselves; integer and F64 types, which have no
 /// dot product, to F32.
 pub fn vec_dot_type(ty: GgmlType) -> GgmlType {
@@ -47,7 +48,7 @@ pub fn vec_dot_type(ty: GgmlType) -> GgmlType {
         return o.vec_dot_type;
     }
     match ty {
-        IQ4NL | MXFP4 => Q8_0,
+        MXFP4 => Q8_0,
         Q8_1 | Q8K => ty,
         IQ2XXS | IQ2XS | IQ3XXS | IQ1S | IQ3S | IQ2S | IQ4XS | IQ1M | TQ1_0 | TQ2_0 => Q8K,
         // I8..I64 / F64 (no dot product); also any type added to `GgmlType` later.
@@ -127,7 +128,7 @@ pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], act: &[u8]) -> f32 {
 
 /// [`quantize_row`] with an importance per column (`qw`, one imatrix entry: as long as the row):
 /// the types whose ggml search uses one ([`QuantType::WEIGHTED`]: Q2_K..Q6_K, Q4_0, Q4_1, Q5_0,
-/// Q5_1) minimise the importance-weighted error as `llama-quantize --imatrix` does; the
+/// Q5_1, IQ4_NL) minimise the importance-weighted error as `llama-quantize --imatrix` does; the
 /// other types ignore it, as ggml's do.
 pub fn quantize_row_weighted(
     ty: GgmlType,

@@ -20,6 +20,7 @@ use super::blocks::{
     BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K,
     BlockQ8_0,
 };
+use super::iq4_nl::BlockIQ4NL;
 use super::{dequant, dot, kquantize, quantize, weighted};
 use crate::format::GgmlType;
 
@@ -111,7 +112,7 @@ fn vec_dot_tile<Q: QuantType>(
 }
 
 /// Every registered weight type, in the order `infer quantize --type` lists them.
-pub static TYPES: [TypeOps; 13] = [
+pub static TYPES: [TypeOps; 14] = [
     ops_of::<F32>(),
     ops_of::<F16>(),
     ops_of::<BF16>(),
@@ -125,6 +126,7 @@ pub static TYPES: [TypeOps; 13] = [
     ops_of::<BlockQ4K>(),
     ops_of::<BlockQ5K>(),
     ops_of::<BlockQ6K>(),
+    ops_of::<BlockIQ4NL>(),
 ];
 
 /// The implementation of `ty`, if it is a registered weight type.

@@ -9,7 +9,8 @@ use crate::quant::{
 use half::f16;
 
 /// Every type with a SIMD kernel, in the priority order of the brief.
-const TYPES: [GgmlType; 12] = [
+const TYPES: [GgmlType; 13] = [
+    GgmlType::IQ4NL,
     GgmlType::Q4K,
     GgmlType::Q6K,
     GgmlType::Q5_0,

@@ -1,27 +1,30 @@
-//! AVX2 kernels for the 32-value legacy blocks: Q4_0, Q5_0, Q8_0 × Q8_0 and Q4_1, Q5_1 × Q8_1.
+//! AVX2 kernels for the 32-value blocks: Q4_0, Q5_0, Q8_0, IQ4_NL × Q8_0 and Q4_1, Q5_1 × Q8_1.
 //!
 //! Each `*_rows::<M>` unpacks one weight block to 32 bytes once and multiplies it with `M`
 //! activation rows. Signed × signed products use ggml's sign transfer (`|w|` times `a` carrying
 //! `w`'s sign, `vpmaddubsw`, `vpmaddwd` by ones): exact as long as no activation byte is -128.
 //! Float accumulation per row follows what llama.cpp runs on an AVX2 machine:
-//! - Q4_0: the repacked `gemv_q4_0_8x8_q8_0` — one integer sum per block,
-//!   `acc = fma(isum, d_w * d_a, acc)` (rows in the lanes of one vector).
+//! - Q4_0 and IQ4_NL: the repacked `gemv_q4_0_8x8_q8_0` and `gemv_iq4_nl_8x8_q8_0` (llama.cpp
+//!   repacks both on AVX2; for IQ4_NL its GEMM accumulates the same way) — one integer sum per
+//!   block, `acc = fma(isum, d_w * d_a, acc)` (rows in the lanes of one vector). IQ4_NL's weight
+//!   bytes are its nibbles looked up in `kvalues_iq4nl` (`vpshufb`).
 //! - Q5_0, Q8_0, Q4_1, Q5_1: `ggml_vec_dot_*`'s AVX2 branch — eight i32 lanes per block
 //!   (lane `l` = bytes `4l..4l+4`), `acc = fma(d_w * d_a, lanes, acc)`, `hsum_float_8`; Q4_1/Q5_1
 //!   add `Σ m_w * s_a` kept in a scalar (fused, as compilers contract ggml's `summs += m * s`).
 //!
-//! Layouts (byte offsets): Q4_0 `d`@0 `qs`@2; Q4_1 `d`@0 `m`@2 `qs`@4; Q5_0 `d`@0 `qh`@2 `qs`@6;
+//! Layouts (byte offsets): Q4_0 and IQ4_NL `d`@0 `qs`@2; Q4_1 `d`@0 `m`@2 `qs`@4; Q5_0 `d`@0 `qh`@2 `qs`@6;
 //! Q5_1 `d`@0 `m`@2 `qh`@4 `qs`@8; Q8_0 `d`@0 `qs`@2; Q8_1 `d`@0 `s`@2 `qs`@4.
 
 use std::arch::x86_64::*;
 
 use super::{
     bytes_from_bits_32, bytes_from_nibbles_32, entries, f16_bcast, f16x2_at, f16x4_gather,
-    hsum_float_8, hsum_rows, ld, mul_sum_us8, prefetch_ahead, wrows_entry,
+    hsum_float_8, hsum_rows, ld, ld128, mul_sum_us8, prefetch_ahead, wrows_entry,
 };
 use crate::quant::blocks::{
     Block, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1,
 };
+use crate::quant::iq4_nl::{BlockIQ4NL, KVALUES};
 
 const QK: usize = 32;
 
@@ -31,6 +34,15 @@ entries!(
     q4_0_rows,
     QK,
     BlockQ4_0::BYTES,
+    BlockQ8_0::BYTES,
+    4
+);
+entries!(
+    iq4_nl_dot,
+    iq4_nl_tile,
+    iq4_nl_rows,
+    QK,
+    BlockIQ4NL::BYTES,
     BlockQ8_0::BYTES,
     4
 );
@@ -84,12 +96,52 @@ unsafe fn q4_0_rows<const M: usize>(
     stride: usize,
     out: *mut f32,
 ) {
+    nibble_rows::<M>(nb, w, BlockQ4_0::BYTES, a, stride, out, |x| {
+        _mm256_sub_epi8(bytes_from_nibbles_32(x.add(2)), _mm256_set1_epi8(8))
+    })
+}
+
+/// IQ4_NL (values `kvalues_iq4nl[nibble]`).
+///
+/// # Safety
+/// As [`q4_0_rows`], with `nb` IQ4_NL blocks at `w`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_nl_rows<const M: usize>(
+    nb: usize,
+    w: *const u8,
+    a: *const u8,
+    stride: usize,
+    out: *mut f32,
+) {
+    let table = _mm256_broadcastsi128_si256(ld128(KVALUES.as_ptr().cast()));
+    nibble_rows::<M>(nb, w, BlockIQ4NL::BYTES, a, stride, out, |x| {
+        _mm256_shuffle_epi8(table, bytes_from_nibbles_32(x.add(2)))
+    })
+}
+
+/// The shared body of the 4-bit × Q8_0 kernels (Q4_0, IQ4_NL): `unpack(x)` gives a block's 32
+/// signed weight bytes (none -128) from its block pointer (`d` at 0); one exact integer sum per
+/// block and row, `acc = fma(isum, d_w * d_a, acc)`.
+///
+/// # Safety
+/// As [`q4_0_rows`], with `wbytes`-byte weight blocks that `unpack` reads within.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibble_rows<const M: usize>(
+    nb: usize,
+    w: *const u8,
+    wbytes: usize,
+    a: *const u8,
+    stride: usize,
+    out: *mut f32,
+    unpack: impl Fn(*const u8) -> __m256i,
+) {
     let mut acc = _mm_setzero_ps();
     for b in 0..nb {
-        let x = w.add(b * BlockQ4_0::BYTES);
+        let x = w.add(b * wbytes);
         prefetch_ahead(x, 1);
         let ya = a.add(b * BlockQ8_0::BYTES);
-        let qx = _mm256_sub_epi8(bytes_from_nibbles_32(x.add(2)), _mm256_set1_epi8(8));
+        let qx = unpack(x);
         let ax = _mm256_sign_epi8(qx, qx);
         let mut isum = [_mm256_setzero_si256(); M];
         let mut yr = [ya; M];

@@ -40,6 +40,7 @@ pub(super) fn kernels(ty: GgmlType) -> Option<Kernels> {
         Q3K => (kquants::q3k_dot, kquants::q3k_tile, "avx2/q3_K"),
         Q2K => (kquants::q2k_dot, kquants::q2k_tile, "avx2/q2_K"),
         Q4_0 => (legacy::q4_0_dot, legacy::q4_0_tile, "avx2/q4_0"),
+        IQ4NL => (legacy::iq4_nl_dot, legacy::iq4_nl_tile, "avx2/iq4_nl"),
         Q4_1 => (legacy::q4_1_dot, legacy::q4_1_tile, "avx2/q4_1"),
         Q5_0 => (legacy::q5_0_dot, legacy::q5_0_tile, "avx2/q5_0"),
         Q5_1 => (legacy::q5_1_dot, legacy::q5_1_tile, "avx2/q5_1"),
