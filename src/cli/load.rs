@@ -108,8 +108,7 @@ fn backend(g: &Gguf, cfg: &ModelConfig, cpu: CpuBackend, n_ctx: usize) -> Result
             bail!("--device cuda: no usable CUDA device: {e:#} (use --device cpu or auto)")
         }
         Err(e) => {
-            // SAFETY: only dlopen attempts, as the probe itself makes.
-            if device.is_some() || unsafe { cudarc::driver::sys::is_culib_present() } {
+            if device.is_some() || driver::library_present() {
                 crate::cli::note!("infer: running on the CPU: {e:#}");
             }
             return Ok(DeviceBackend::cpu_only(cpu));

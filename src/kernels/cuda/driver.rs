@@ -37,10 +37,15 @@ unsafe impl Send for Module {}
 unsafe impl Sync for Module {}
 unsafe impl Send for Func {}
 
+/// Whether a CUDA driver library (`libcuda.so`) can be loaded at all, working or not.
+pub fn library_present() -> bool {
+    // SAFETY: only tries to dlopen the library names cudarc would use; nothing is called in it.
+    unsafe { sys::is_culib_present() }
+}
+
 /// Why no GPU is used, in words for the `--device auto` fallback line.
 pub fn probe() -> Result<Arc<CudaDriver>> {
-    // SAFETY: only tries to dlopen the library names cudarc would use; nothing is called in it.
-    if !unsafe { sys::is_culib_present() } {
+    if !library_present() {
         bail!("no CUDA driver library (libcuda.so) found");
     }
     match std::panic::catch_unwind(open) {
