@@ -14,24 +14,10 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{infer, load_runner, root, stderr};
+use common::{f32s, infer, load_runner, root, stderr, unhex};
 use infer::eval::imatrix::Imatrix;
 use infer::format::{GgmlType, Gguf};
 use infer::quant::{dequantize_row, quantize_row, quantize_row_weighted};
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
-}
-
-fn f32s(hex: &str) -> Vec<f32> {
-    unhex(hex)
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
-}
 
 const TYPES: [(GgmlType, &str); 9] = [
     (GgmlType::Q2K, "q2_K"),

@@ -9,19 +9,7 @@ use infer::format::GgmlType;
 use infer::quant::{quantize_activations_as, quantize_row, vec_dot, Q8Variant};
 use serde_json::Value;
 
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex digit"))
-        .collect()
-}
-
-fn f32s(hex: &str) -> Vec<f32> {
-    unhex(hex)
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
-}
+use common::{f32s, unhex};
 
 fn golden() -> (usize, Vec<Value>) {
     let path = common::fixture("quant/ggml_ref.json");

@@ -25,18 +25,10 @@ fn json(file: &str) -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex digit"))
-        .collect()
-}
+use common::{f32s, unhex};
 
 fn f32_bits(hex: &str) -> Vec<u32> {
-    unhex(hex)
-        .chunks_exact(4)
-        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
+    f32s(hex).iter().map(|x| x.to_bits()).collect()
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -226,10 +218,7 @@ fn quantizer_matches_ggml_on_stress_blocks() {
     let v = json("ggml_ref.json");
     let q = &v["quantize"];
     let n = q["n_per_row"].as_u64().unwrap() as usize;
-    let x: Vec<f32> = f32_bits(q["input_f32"].as_str().unwrap())
-        .into_iter()
-        .map(f32::from_bits)
-        .collect();
+    let x = f32s(q["input_f32"].as_str().unwrap());
     let want = unhex(q["expected"].as_str().unwrap());
     let mut got = Vec::new();
     let mut row = Vec::new();
@@ -256,12 +245,7 @@ fn dot_products_match_llama_cpp() {
         let w = unhex(case["weights"].as_str().unwrap());
         let a = unhex(case["act_q8_0"].as_str().unwrap());
         let rb = GgmlType::IQ4NL.row_bytes(n).unwrap();
-        let floats = |k: &str| -> Vec<f32> {
-            f32_bits(case[k].as_str().unwrap())
-                .into_iter()
-                .map(f32::from_bits)
-                .collect()
-        };
+        let floats = |k: &str| f32s(case[k].as_str().unwrap());
         let (gemv, vec_dot) = (floats("gemv_iq4_nl_8x8_avx2"), floats("vec_dot_avx2"));
         let kernel = infer::kernels::cpu::simd::kernels(GgmlType::IQ4NL);
         for r in 0..rows {

@@ -11,20 +11,7 @@ use infer::format::{GgmlType, Gguf};
 use infer::quant::{dequantize_row, quantize_row};
 use serde_json::Value;
 
-fn unhex(s: &str) -> Vec<u8> {
-    assert!(s.len().is_multiple_of(2), "odd-length hex");
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex digit"))
-        .collect()
-}
-
-fn f32s(hex: &str) -> Vec<f32> {
-    unhex(hex)
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
-}
+use common::{f32s, unhex};
 
 fn load(name: &str) -> Vec<Value> {
     let path = common::fixture(&format!("quant/{name}"));

@@ -30,6 +30,23 @@ pub fn fixture(rel: &str) -> PathBuf {
     root().join("tests/fixtures").join(rel)
 }
 
+/// The bytes of a lowercase hex string (the fixtures' encoding of byte strings).
+pub fn unhex(s: &str) -> Vec<u8> {
+    assert!(s.len().is_multiple_of(2), "odd-length hex");
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex digit"))
+        .collect()
+}
+
+/// The little-endian f32s of a hex string (the fixtures' encoding of float arrays, bit-exact).
+pub fn f32s(hex: &str) -> Vec<f32> {
+    unhex(hex)
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
 /// Runs the real binary with the given args and stdin.
 pub fn infer(args: &[&str], stdin: Option<&str>) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_infer"));
