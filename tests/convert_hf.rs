@@ -4,8 +4,8 @@
 //! quantizers), against transformers' greedy ids through this crate's engine, and re-quantization
 //! of the real Gemma 3 model.
 //!
-//! Needs python3 with gguf-py (`pip install gguf numpy`) for the gguf-py checks; those tests fail
-//! with that instruction when it is missing.
+//! Needs python3 with gguf-py for the gguf-py checks (`scripts/test.sh` installs it); those tests
+//! fail with that instruction when it is missing.
 
 mod common;
 
@@ -125,7 +125,8 @@ fn gguf_py() -> PathBuf {
         .unwrap_or(false);
     assert!(
         ok,
-        "these checks need python3 with gguf-py: run `pip install gguf numpy` (gguf 0.19 or newer)"
+        "these checks need python3 with gguf-py: run the tests with `scripts/test.sh`, which installs \
+         it (or `pip install -r scripts/test-requirements.txt`)"
     );
     root().join("scripts/check-gguf-py.py")
 }
