@@ -1,4 +1,5 @@
-//! Chat: conversations rendered into prompts with the model's own chat template, and the pieces of
+//! Chat: conversations rendered into prompts with the model's own chat template (`prompt`:
+//! [`PromptFormat`]), and the pieces of
 //! the interactive REPL that need no terminal (input continuation rules, `/` commands, saving and
 //! loading conversations). The REPL itself (terminal, generation, KV reuse) is `infer chat`, in the
 //! CLI.
@@ -8,10 +9,12 @@
 
 pub mod conversation;
 pub mod input;
+pub mod prompt;
 mod python;
 pub mod template;
 
 pub use conversation::Conversation;
+pub use prompt::PromptFormat;
 pub use template::{fallback_render, ChatTemplate, Message, FALLBACK_STOPS};
 
 /// Python-compatible helpers of the template environment, exposed for tests.

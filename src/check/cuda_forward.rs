@@ -15,8 +15,8 @@ use crate::engine::runner::{Runner, Sequence, BLOCK_SIZE};
 use crate::format::Gguf;
 use crate::kernels::cpu::backend::CpuBackend;
 use crate::kernels::cuda::backend::CudaBackend;
-use crate::kernels::cuda::device::DeviceBackend;
 use crate::kernels::cuda::launch::Launch;
+use crate::kernels::device::DeviceBackend;
 use crate::model::{Backend, Model, ModelConfig, Weights};
 
 #[derive(Clone, Debug)]

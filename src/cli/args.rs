@@ -35,6 +35,16 @@ pub enum Device {
     Cuda,
 }
 
+impl From<Device> for infer::engine::load::Device {
+    fn from(d: Device) -> Self {
+        match d {
+            Device::Auto => Self::Auto,
+            Device::Cpu => Self::Cpu,
+            Device::Cuda => Self::Cuda,
+        }
+    }
+}
+
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Generate a continuation of a prompt
@@ -138,6 +148,16 @@ pub struct ModelArgs {
     /// Threads for computation (default: the number of physical cores)
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
+    /// The global `--device` and `--gpu-layers`, copied here before the subcommand runs.
+    #[arg(skip)]
+    pub device: DeviceFlags,
+}
+
+/// `--device` (`None`: not given) and `--gpu-layers`, as the loader takes them.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DeviceFlags {
+    pub device: Option<Device>,
+    pub gpu_layers: Option<usize>,
 }
 
 /// Sampling flags shared by `run` and `chat` (defaults as llama.cpp's).

@@ -15,8 +15,8 @@ use crate::cli::load::load;
 use crate::cli::{note, UsageError};
 use infer::engine::runner::Sequence;
 use infer::kernels::cpu::memory::bandwidth::BandwidthBuffer;
-use infer::kernels::cuda::device::DeviceBackend;
 use infer::kernels::cuda::launch::DevBuf;
+use infer::kernels::device::DeviceBackend;
 use infer::model::weights::bytes_per_token;
 use infer::model::Backend;
 
@@ -69,7 +69,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     // The warm-up extends a fresh sequence by five tokens.
     let ctx = a.depth + a.n_prompt.max(a.n_gen).max(5) + 1;
-    let loaded = load(&a.model.model, a.model.threads, Some(ctx))?;
+    let loaded = load(&a.model, Some(ctx))?;
     let mut runner = loaded.runner;
     if runner.n_ctx() < ctx {
         return Err(UsageError(format!(

@@ -1,8 +1,8 @@
-//! `infer chat`: an interactive conversation with a model, and the chat-prompt helper behind
-//! `infer run --chat`.
+//! `infer chat`: an interactive conversation with a model, and the choice of prompt format
+//! (with its note on stderr) behind `infer run --chat`.
 //!
-//! Each turn renders the whole conversation with the model's chat template (or
-//! [`infer::chat::fallback_render`]) and tokenizes it with special-token parsing; the sequence keeps
+//! Each turn renders the whole conversation with the model's prompt format
+//! ([`infer::chat::PromptFormat`]) and tokenizes it with special-token parsing; the sequence keeps
 //! the KV of everything said so far, so a turn computes only its new tokens. Where the new prompt
 //! text extends the text the cached tokens spell (the usual case), only the new text is tokenized
 //! and appended to those exact tokens, as llama.cpp does; otherwise the whole prompt is tokenized
@@ -31,81 +31,24 @@ use crate::cli::args::ChatArgs;
 use crate::cli::load::load;
 use crate::cli::{note, progress};
 use infer::chat::input::{self, Command, Setting, HELP};
-use infer::chat::{fallback_render, ChatTemplate, Conversation, Message, FALLBACK_STOPS};
+use infer::chat::{Conversation, PromptFormat};
 use infer::engine::generate::{generate, GenParams, StopReason};
 use infer::engine::runner::{Runner, Sequence};
 use infer::format::Gguf;
-use infer::kernels::cuda::device::DeviceBackend;
+use infer::kernels::device::DeviceBackend;
 use infer::tokenizer::Tokenizer;
 
-/// The template to use: `--chat-template FILE`, else the model's; `None` (after saying so on
-/// stderr) when neither exists.
-pub fn resolve_template(
-    g: &Gguf,
-    tok: &Tokenizer,
-    file: Option<&Path>,
-) -> Result<Option<ChatTemplate>> {
-    if let Some(path) = file {
-        let source = std::fs::read_to_string(path)
-            .with_context(|| format!("reading the chat template {}", path.display()))?;
-        let text = |id: Option<u32>| {
-            id.map(|i| tok.token_text(i).to_string())
-                .unwrap_or_default()
-        };
-        let t = ChatTemplate::new(&source, &text(tok.bos_id()), &text(tok.eos_id()))
-            .with_context(|| format!("in {}", path.display()))?;
-        return Ok(Some(t));
-    }
-    let t = ChatTemplate::from_gguf(g, tok).context("in the model's tokenizer.chat_template")?;
-    if t.is_none() {
+/// The prompt format to use: `--chat-template FILE`, else the model's template, else the plain
+/// fallback (said once on stderr).
+pub fn prompt_format(g: &Gguf, tok: &Tokenizer, file: Option<&Path>) -> Result<PromptFormat> {
+    let f = PromptFormat::resolve(g, tok, file)?;
+    if f.is_fallback() {
         note!(
             "infer: the model has no chat template; using the plain \"User: ...\\nAssistant:\" format \
              (--chat-template FILE gives one)"
         );
     }
-    Ok(t)
-}
-
-/// Renders `messages` with the template, or the fallback format without one.
-fn render(
-    template: Option<&ChatTemplate>,
-    messages: &[Message],
-    gen_prompt: bool,
-) -> Result<String> {
-    match template {
-        Some(t) => t.render(messages, gen_prompt),
-        None => Ok(fallback_render(messages, gen_prompt)),
-    }
-}
-
-/// Whether to add BOS to a rendered prompt: when the model asks for it and the template did not
-/// already write the BOS text.
-fn wants_bos(tok: &Tokenizer, template: Option<&ChatTemplate>, text: &str, allow: bool) -> bool {
-    let printed = template
-        .and_then(ChatTemplate::bos_token)
-        .is_some_and(|b| text.starts_with(b));
-    allow && tok.add_bos_default() && !printed
-}
-
-/// `infer run --chat`: the tokens of `user` (with `system`) as one chat turn awaiting the answer,
-/// and the stop strings the format needs (those of the fallback format when there is no template).
-pub fn single_turn_prompt(
-    g: &Gguf,
-    tok: &Tokenizer,
-    system: Option<&str>,
-    user: &str,
-    allow_bos: bool,
-) -> Result<(Vec<u32>, Vec<String>)> {
-    let template = resolve_template(g, tok, None)?;
-    let mut conv = Conversation::new(system);
-    conv.push("user", user);
-    let text = render(template.as_ref(), &conv.messages, true)?;
-    let bos = wants_bos(tok, template.as_ref(), &text, allow_bos);
-    let stops = match template {
-        Some(_) => Vec::new(),
-        None => FALLBACK_STOPS.iter().map(|s| s.to_string()).collect(),
-    };
-    Ok((tok.encode(&text, bos, true)?, stops))
+    Ok(f)
 }
 
 /// Multi-line rules of [`infer::chat::input`] for rustyline.
@@ -136,7 +79,7 @@ struct TurnStats {
 struct Session {
     runner: Runner<DeviceBackend>,
     tok: Tokenizer,
-    template: Option<ChatTemplate>,
+    format: PromptFormat,
     conv: Conversation,
     seq: Sequence,
     /// The text `seq.tokens` spells; empty when unknown.
@@ -156,7 +99,7 @@ fn rate(n: usize, secs: f64) -> f64 {
 
 impl Session {
     fn render(&self, gen_prompt: bool) -> Result<String> {
-        render(self.template.as_ref(), &self.conv.messages, gen_prompt)
+        self.format.render(&self.conv.messages, gen_prompt)
     }
 
     /// Tokens of a rendered prompt, extending the cached tokens when the text extends theirs.
@@ -168,7 +111,7 @@ impl Session {
                 return Ok(ids);
             }
         }
-        let bos = wants_bos(&self.tok, self.template.as_ref(), text, true);
+        let bos = self.format.wants_bos(&self.tok, text, true);
         self.tok.encode(text, bos, true)
     }
 
@@ -432,13 +375,10 @@ fn history_path() -> Option<PathBuf> {
 pub fn chat(a: ChatArgs) -> Result<()> {
     let sampler = a.sampling.config()?;
     let loaded = progress::with_spinner(format!("loading {}", a.model.model.display()), || {
-        load(&a.model.model, a.model.threads, a.ctx)
+        load(&a.model, a.ctx)
     })?;
-    let template = resolve_template(&loaded.gguf, &loaded.tokenizer, a.chat_template.as_deref())?;
-    let stop = match template {
-        Some(_) => Vec::new(),
-        None => FALLBACK_STOPS.iter().map(|s| s.to_string()).collect(),
-    };
+    let format = prompt_format(&loaded.gguf, &loaded.tokenizer, a.chat_template.as_deref())?;
+    let stop = format.stop_strings();
     let params = GenParams {
         max_tokens: a.max_tokens,
         sampler,
@@ -456,7 +396,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     let mut s = Session {
         runner: loaded.runner,
         tok: loaded.tokenizer,
-        template,
+        format,
         conv: Conversation::new(a.system.as_deref()),
         seq: Sequence::default(),
         seq_text: String::new(),

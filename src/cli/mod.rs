@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::Parser;
 
-pub use args::{Cli, Command};
+pub use args::{Cli, Command, DeviceFlags};
 
 /// An error that is the user's to fix in the invocation (exit code 2).
 #[derive(Debug)]
@@ -69,8 +69,19 @@ pub fn main() -> ExitCode {
         }
     };
     QUIET.store(cli.quiet, Ordering::Relaxed);
-    load::set_device(cli.device, cli.gpu_layers);
-    let result = match cli.command {
+    let device = DeviceFlags {
+        device: cli.device,
+        gpu_layers: cli.gpu_layers,
+    };
+    let mut command = cli.command;
+    match &mut command {
+        Command::Run(a) => a.model.device = device,
+        Command::Chat(a) => a.model.device = device,
+        Command::Bench(a) => a.model.device = device,
+        Command::Perplexity(a) => a.model.device = device,
+        _ => {}
+    }
+    let result = match command {
         Command::Run(a) if a.batch_file.is_some() => batch::batch(a),
         Command::Run(a) => run::run(a),
         Command::Tokenize(a) => tokenize::tokenize(a),

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use crate::cli::args::PerplexityArgs;
+use crate::cli::args::{ModelArgs, PerplexityArgs};
 use crate::cli::load::{load, Loaded};
 use crate::cli::{note, progress, UsageError};
 use infer::engine::runner::Runner;
@@ -35,10 +35,9 @@ pub fn text_tokens(tok: &Tokenizer, text: &str) -> Result<(Vec<u32>, Option<u32>
     Ok((tok.encode(text, add_bos, false)?, bos))
 }
 
-fn load_quiet(path: &Path, threads: Option<usize>, ctx: usize) -> Result<Loaded> {
-    let l = progress::with_spinner(format!("loading {}", path.display()), || {
-        load(path, threads, Some(ctx))
-    })?;
+fn load_quiet(m: &ModelArgs, ctx: usize) -> Result<Loaded> {
+    let path = &m.model;
+    let l = progress::with_spinner(format!("loading {}", path.display()), || load(m, Some(ctx)))?;
     note!(
         "infer: loaded {} in {:.2} s ({} threads)",
         path.display(),
@@ -56,7 +55,7 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
         return Err(UsageError("--batch, --chunks and --threads must be at least 1".into()).into());
     }
     let text = read_text(&a.file)?;
-    let loaded = load_quiet(&a.model.model, a.model.threads, a.ctx)?;
+    let loaded = load_quiet(&a.model, a.ctx)?;
     let (tokens, bos) = text_tokens(&loaded.tokenizer, &text)?;
     let train = loaded.runner.model.cfg.n_ctx_train;
     if a.ctx > train {
@@ -66,7 +65,13 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
         );
     }
     let base = match &a.kl_divergence {
-        Some(p) => Some(load_quiet(p, a.model.threads, a.ctx)?),
+        Some(p) => {
+            let base = ModelArgs {
+                model: p.clone(),
+                ..a.model.clone()
+            };
+            Some(load_quiet(&base, a.ctx)?)
+        }
         None => None,
     };
     let threads = loaded.threads;

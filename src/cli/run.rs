@@ -36,7 +36,7 @@ pub fn cancel_flag() -> Arc<AtomicBool> {
 /// Loads `--model` under a spinner (on a terminal) and says how it went (unless `--quiet`).
 pub fn load_model(a: &RunArgs) -> Result<Loaded> {
     let loaded = progress::with_spinner(format!("loading {}", a.model.model.display()), || {
-        load(&a.model.model, a.model.threads, a.ctx)
+        load(&a.model, a.ctx)
     })?;
     note!(
         "infer: loaded {} in {:.2} s ({} threads, context {})",
@@ -53,8 +53,7 @@ pub fn load_model(a: &RunArgs) -> Result<Loaded> {
 pub fn prompt_tokens(loaded: &Loaded, a: &RunArgs, text: &str) -> Result<(Vec<u32>, Vec<String>)> {
     let tok = &loaded.tokenizer;
     let (ids, stops) = if a.chat {
-        crate::cli::chat::single_turn_prompt(
-            &loaded.gguf,
+        crate::cli::chat::prompt_format(&loaded.gguf, tok, None)?.single_turn(
             tok,
             a.system.as_deref(),
             text,
@@ -255,7 +254,7 @@ fn speculator(a: &RunArgs, tok: &Tokenizer, n_layer: usize) -> Result<Option<Spe
         Method::Lookup(infer::engine::speculative::PromptLookup::new(s.lookup))
     } else if let Some(path) = &s.draft_model {
         let loaded = progress::with_spinner(format!("loading {}", path.display()), || {
-            load_cpu(path, a.model.threads, a.ctx)
+            load_cpu(path, &a.model, a.ctx)
         })?;
         check_vocab(tok, &loaded.tokenizer)
             .map_err(|e| UsageError(format!("--draft-model {}: {e:#}", path.display())))?;

@@ -9,7 +9,6 @@
 //! at run time, and only after [`driver::probe`] has found it.
 
 pub mod backend;
-pub mod device;
 pub mod driver;
 mod graphs;
 pub mod launch;

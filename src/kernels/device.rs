@@ -10,8 +10,8 @@ use std::ops::Deref;
 
 use anyhow::Result;
 
-use super::backend::{CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight};
 use crate::kernels::cpu::backend::{CpuAct, CpuBackend, CpuKv, CpuWeight};
+use crate::kernels::cuda::backend::{CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight};
 use crate::model::backend::{
     attention_block_steps, ffn_dense_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch,
     AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
@@ -493,5 +493,103 @@ impl Backend for DeviceBackend {
 
     fn recycle(&self, host: Vec<f32>) {
         self.cpu.recycle(host);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{DevAct, DeviceBackend};
+    use crate::format::GgmlType;
+    use crate::kernels::cpu::backend::{CpuAct, CpuBackend};
+    use crate::kernels::cpu::matmul::tests::{same_bits, test_weights_on};
+    use crate::kernels::cpu::test_floats as data;
+    use crate::model::backend::{
+        AttnBatch, AttnBlock, AttnQuery, AttnShape, Backend, KvType, Rope,
+    };
+    use crate::model::config::{Activation, RopeStyle};
+
+    /// One decode step's attention sublayer and feed-forward on `be` (weights as `test_weights`
+    /// makes them), with biases and q/k norms, at position 37 over a scrambled block table: the
+    /// attention output and the feed-forward output.
+    fn sublayers<B: Backend>(be: &B, act: impl Fn(&[f32], usize) -> B::Act) -> (B::Act, B::Act) {
+        let (hd, nh, nkv, n_embd, ff) = (64, 4, 2, 256, 512);
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let ty = [GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q6K];
+        let ws = test_weights_on(be, &[(ty[0], qd), (ty[1], kvd), (ty[2], kvd)], n_embd);
+        let wo = test_weights_on(be, &[(GgmlType::Q4K, n_embd)], qd);
+        let mlp = test_weights_on(be, &[(GgmlType::Q4K, ff), (GgmlType::Q4K, ff)], n_embd);
+        let down = test_weights_on(be, &[(GgmlType::Q6K, n_embd)], ff);
+        let vec = |n: usize, s: u32| be.load_vector(&data(n, s)).unwrap();
+        let (bq, bk, bv, qn, kn) = (vec(qd, 1), vec(kvd, 2), vec(kvd, 3), vec(hd, 4), vec(hd, 5));
+        let blk = AttnBlock::<B> {
+            wq: &ws[0],
+            wk: &ws[1],
+            wv: &ws[2],
+            bq: Some(&bq),
+            bk: Some(&bk),
+            bv: Some(&bv),
+            q_norm: Some(&qn),
+            k_norm: Some(&kn),
+            norm_eps: 1e-6,
+            rope: Rope {
+                style: RopeStyle::Neox,
+                base: 10000.0,
+                head_dim: hd,
+            },
+            rope_freqs: None,
+            q_scale: None,
+            wo: &wo[0],
+        };
+        let (pos, bs) = (37usize, 16usize);
+        let table: Vec<u32> = (0..8u32).map(|b| (b * 5) % 8).collect();
+        let mut kv = be.alloc_kv(1, table.len(), bs, kvd, KvType::F16).unwrap();
+        let slot = |p: usize| table[p / bs] as usize * bs + p % bs;
+        let slots: Vec<usize> = (0..pos).map(slot).collect();
+        let (k, v) = (act(&data(pos * kvd, 7), kvd), act(&data(pos * kvd, 8), kvd));
+        be.kv_write(&mut kv, 0, &k, &v, &slots);
+        let queries = [AttnQuery {
+            block_table: &table,
+            pos: pos as u32,
+            lo: 0,
+        }];
+        let batch = AttnBatch {
+            positions: &[pos as u32],
+            slots: &[slot(pos)],
+            queries: &queries,
+            shape: AttnShape {
+                n_head: nh,
+                n_head_kv: nkv,
+                head_dim: hd,
+                scale: 0.125,
+            },
+        };
+        let h = act(&data(n_embd, 9), n_embd);
+        let out = crate::kernels::cpu::fused::attention::tests::with_scratch(
+            be,
+            (qd, kvd, n_embd),
+            |s, out| be.attention_block(&h, &blk, &mut kv, 0, &batch, s, out),
+        );
+        let (mut g, mut u, mut o) = (be.act(1, ff), be.act(1, ff), be.act(1, n_embd));
+        let ws = (&mlp[0], &mlp[1], &down[0]);
+        be.ffn_dense(&out, ws, Activation::Silu, &mut g, &mut u, &mut o);
+        (out, o)
+    }
+
+    /// The CLI's backend (CPU only) gives what the CPU backend gives for a decode step's
+    /// attention sublayer and feed-forward, bit for bit: it hands each over whole (so the fused
+    /// regions run) with every weight, bias and norm in its place.
+    #[test]
+    fn device_backend_sublayers_equal_the_cpu_backends() {
+        let shaped = |x: &[f32], cols: usize| CpuAct {
+            data: x.to_vec(),
+            rows: x.len() / cols,
+            cols,
+        };
+        let want = sublayers(&CpuBackend::new(2), shaped);
+        let dev = DeviceBackend::cpu_only(CpuBackend::new(2));
+        let got = sublayers(&dev, |x, cols| DevAct::Cpu(shaped(x, cols)));
+        let host = |a: &DevAct| dev.to_host(a);
+        assert!(same_bits(&want.0.data, &host(&got.0)), "attention sublayer");
+        assert!(same_bits(&want.1.data, &host(&got.1)), "feed-forward");
     }
 }
