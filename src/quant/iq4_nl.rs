@@ -190,7 +190,8 @@ fn quantize_block(x: &[f32], qw: Option<&[f32]>) -> BlockIQ4NL {
     } else {
         let d = -max / k0;
         let (sumqx, sumq2) = sums(1.0 / d);
-        let mut d = sumqx / sumq2;
+        // Zero only when every importance is: ggml then keeps a zero scale.
+        let mut d = if sumq2 > 0.0 { sumqx / sumq2 } else { 0.0 };
         let mut best = d * sumqx;
         for itry in -NTRY..=NTRY {
             let id = (itry + KVALUES[0] as i32) as f32 / max;
@@ -246,5 +247,15 @@ mod tests {
                 assert!((a - c).abs() <= d * 16.0, "block {b}: {a} vs {c} (d {d})");
             }
         }
+    }
+
+    /// With every importance zero the search has nothing to weigh: ggml keeps a zero scale, not
+    /// 0/0.
+    #[test]
+    fn zero_importance_gives_a_zero_scale() {
+        let x: Vec<f32> = (0..32).map(|i| i as f32 - 15.5).collect();
+        let mut q = vec![0u8; 18];
+        BlockIQ4NL::quantize_weighted(&x, &[0.0; 32], &mut q);
+        assert_eq!(BlockIQ4NL::read(&q).d.to_bits(), 0);
     }
 }

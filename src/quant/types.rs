@@ -6,10 +6,11 @@
 //! loader, `infer quantize`) handles any registered type without naming it.
 //!
 //! Adding a type: a file of its own in `quant` with its block layout and arithmetic, one `impl
-//! QuantType`, one line in [`TYPES`], and its test vectors. Block geometry (values and bytes per
-//! block) and the type's name live in `format::GgmlType`; SIMD kernels, where speed matters,
-//! register against the same `GgmlType` in `kernels::cpu::simd`. The activation formats (Q8_0 as
-//! an activation, Q8_1, Q8_K) are not weight types here: `super::quantize_activations` writes them.
+//! QuantType`, one line in `REGISTERED` (what [`TYPES`] holds), and its test vectors. Block
+//! geometry (values and bytes per block) and the type's name live in `format::GgmlType`; SIMD
+//! kernels, where speed matters, register against the same `GgmlType` in `kernels::cpu::simd`.
+//! The activation formats (Q8_0 as an activation, Q8_1, Q8_K) are not weight types here:
+//! `super::quantize_activations` writes them.
 //!
 //! Invariants: every entry of [`TYPES`] is a distinct type whose `dequantize`, `quantize` and
 //! `vec_dot` take exactly the bytes of whole blocks of it (they panic otherwise: the public
@@ -112,7 +113,10 @@ fn vec_dot_tile<Q: QuantType>(
 }
 
 /// Every registered weight type, in the order `infer quantize --type` lists them.
-pub static TYPES: [TypeOps; 14] = [
+pub static TYPES: [TypeOps; REGISTERED.len()] = REGISTERED;
+
+/// [`TYPES`] as a constant, so [`BY_ID`] can be built from it at compile time.
+const REGISTERED: [TypeOps; 14] = [
     ops_of::<F32>(),
     ops_of::<F16>(),
     ops_of::<BF16>(),
@@ -129,9 +133,22 @@ pub static TYPES: [TypeOps; 14] = [
     ops_of::<BlockIQ4NL>(),
 ];
 
+/// Each type id's index in [`TYPES`] (`u8::MAX`: not registered): the matmul asks for a weight's
+/// activation format on every call, so [`ops`] is one load, not a search.
+static BY_ID: [u8; 64] = {
+    let mut by_id = [u8::MAX; 64];
+    let mut i = 0;
+    while i < REGISTERED.len() {
+        by_id[REGISTERED[i].ty as usize] = i as u8;
+        i += 1;
+    }
+    by_id
+};
+
 /// The implementation of `ty`, if it is a registered weight type.
 pub fn ops(ty: GgmlType) -> Option<&'static TypeOps> {
-    TYPES.iter().find(|o| o.ty == ty)
+    let i = *BY_ID.get(ty as usize)?;
+    TYPES.get(i as usize)
 }
 
 /// F32 weights: the little-endian floats themselves.
