@@ -455,6 +455,7 @@ fn attention() {
         };
         for pos in [16u32, 128, 512, 2047] {
             let qs = [AttnQuery {
+                seq: 0,
                 block_table: &table,
                 pos,
                 lo: 0,

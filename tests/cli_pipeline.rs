@@ -9,7 +9,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{model, stderr, stdout, GEMMA};
+use common::{model, stderr, stdout, GEMMA, QWEN};
 use infer::engine::runner::{Runner, Sequence, BLOCK_SIZE};
 use infer::format::Gguf;
 use infer::kernels::cpu::backend::CpuBackend;
@@ -384,6 +384,59 @@ fn batch_file_matches_single_runs() {
         (r["prompt_tokens"].as_u64(), r["generated_tokens"].as_u64()),
         (Some(pt), Some(gt))
     );
+}
+
+/// `--batch-file --parallel 8` on the real Qwen2.5: eight different prompts at once give, line for
+/// line, what `infer run` gives each alone (the row-invariant decode rows and solo-shaped prefill
+/// chunks), and `--parallel 1` gives the same lines.
+#[test]
+fn qwen_batch_file_parallel_equals_single_runs() {
+    let _g = lock();
+    let dir = TempDir::new("batch-parallel");
+    let prompts = [
+        "def quicksort(arr):",
+        "The three laws of thermodynamics are",
+        "// Rust: a struct for a 2D point with a distance method\n",
+        "SELECT customers.name, SUM(orders.total) FROM",
+        "Once upon a time, in a small village by the sea,",
+        "#!/bin/bash\n# Back up every .conf file in /etc\n",
+        "The difference between TCP and UDP is",
+        "function debounce(fn, ms) {",
+    ];
+    let body: Vec<String> = prompts
+        .iter()
+        .map(|p| serde_json::json!({"prompt": p, "max_tokens": 24}).to_string())
+        .collect();
+    let file = dir.0.join("prompts.jsonl");
+    std::fs::write(&file, body.join("\n")).unwrap();
+    let m = model(QWEN).display().to_string();
+    let run = |parallel: &str| {
+        let f = file.to_str().unwrap();
+        let o = common::infer(
+            &[
+                "run",
+                "-m",
+                &m,
+                "--temp",
+                "0",
+                "--batch-file",
+                f,
+                "--parallel",
+                parallel,
+            ],
+            None,
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        json_lines(&stdout(&o))
+    };
+    let eight = run("8");
+    assert_eq!(eight.len(), prompts.len());
+    for (i, (r, p)) in eight.iter().zip(&prompts).enumerate() {
+        let alone = ok(&["run", "-m", &m, "-p", p, "-n", "24", "--temp", "0"]);
+        assert_eq!(r["index"].as_u64(), Some(i as u64));
+        assert_eq!(r["text"].as_str(), Some(alone.as_str()), "request {i}");
+    }
+    assert_eq!(run("1"), eight);
 }
 
 #[test]

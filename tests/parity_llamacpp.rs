@@ -89,7 +89,7 @@ fn generate(runner: &mut Runner<CpuBackend>, f: &Fixture) -> Vec<u32> {
         }
         logits = runner.extend(&mut seq, &[best as u32]).unwrap();
     }
-    runner.release(&mut seq);
+    drop(seq);
     out
 }
 

@@ -56,7 +56,7 @@ fn run(
     .unwrap();
     // The sequence holds exactly the prompt and the emitted tokens.
     assert_eq!(seq.tokens.len(), prompt.len() + ids.len());
-    runner.release(&mut seq);
+    drop(seq);
     (ids, text)
 }
 
@@ -81,6 +81,7 @@ fn check(file: &str, max_tokens: usize, stop: &[&str], drafter: Drafter<'_>) {
             ..SamplerConfig::default()
         },
         stop: stop.iter().map(|s| s.to_string()).collect(),
+        ignore_eos: false,
     };
     let plain = run(&mut runner, &tok, &prompt, &params, None);
     let method = match drafter {

@@ -302,6 +302,7 @@ fn generate_with_config(
         max_tokens: TOKENS,
         sampler,
         stop: Vec::new(),
+        ignore_eos: false,
     };
     let hooks = GenHooks {
         spec,
@@ -323,7 +324,7 @@ fn generate_with_config(
         },
     )
     .unwrap();
-    runner.release(&mut seq);
+    drop(seq);
     ids
 }
 
@@ -350,7 +351,7 @@ fn exact(
         let h = [prompt, &ids].concat();
         seq.tokens = h.clone();
         let logits = runner.compute(&mut seq).unwrap();
-        runner.release(&mut seq);
+        drop(seq);
         for (t, pt) in s.distribution(&logits, &h) {
             frontier.push(([&ids[..], &[t]].concat(), p * f64::from(pt)));
         }

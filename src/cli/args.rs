@@ -247,6 +247,11 @@ pub struct RunArgs {
     /// "temperature", "seed", "stop"; one JSON result line per request, in order
     #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_ids", "logprobs"])]
     pub batch_file: Option<PathBuf>,
+    /// With --batch-file: run up to N requests at once (continuous batching; each one's text is
+    /// what it gets alone). KV is reserved for N sequences of --ctx positions
+    #[arg(long, value_name = "N", default_value_t = 8, requires = "batch_file",
+          value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub parallel: u64,
 }
 
 #[derive(Args, Debug)]
@@ -303,9 +308,10 @@ pub struct SelftestArgs {
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Prompt tokens processed in one batch (0 = skip the pp test)
-    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
-    pub n_prompt: usize,
+    /// Prompt tokens processed in one batch (0 = skip the pp test); with --concurrency, each
+    /// request's prompt [default: 512; with --concurrency 32]
+    #[arg(short = 'p', long = "n-prompt")]
+    pub n_prompt: Option<usize>,
     /// Tokens generated one at a time (0 = skip the tg test)
     #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
     pub n_gen: usize,
@@ -315,6 +321,20 @@ pub struct BenchArgs {
     /// Tokens already in the context before each test
     #[arg(short = 'd', long, default_value_t = 0)]
     pub depth: usize,
+    /// Serving test instead of pp/tg: at each level, that many requests at once (random
+    /// prompts of -p tokens, -n tokens each, greedy) through the scheduler: aggregate tokens/s,
+    /// time to first token and inter-token latency; -r rounds a level
+    #[arg(long, value_name = "N,N,..", value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub concurrency: Vec<u64>,
+    /// With --concurrency: also 8 requests sharing a prefix of this many tokens, the first
+    /// alone, the other 7 once it has its first token (0 = skip)
+    #[arg(
+        long,
+        value_name = "TOKENS",
+        default_value_t = 1000,
+        requires = "concurrency"
+    )]
+    pub shared_prefix: usize,
     /// One JSON object on stdout instead of the table
     #[arg(long)]
     pub json: bool,

@@ -11,12 +11,15 @@
 //! a line that is not a valid request or a request that failed; the others still run, and the exit
 //! code is then 1. `index` counts requests (non-blank lines) from 0, `line` counts file lines from 1.
 //!
-//! Every request starts from a fresh sequence (no KV reuse between requests), so its text is
-//! byte-identical to `infer run` of the same prompt and settings: computing a shared prefix once
-//! would change the batch shapes of the forward passes, which the kernels do not promise to be
-//! bit-invariant to.
+//! Up to `--parallel N` requests (default 8) run at once through the scheduler, with continuous
+//! batching: a request's text is byte-identical to running it alone (`infer run`), because
+//! decode rows are computed row-invariant and prompts in the chunks a lone run uses. Prompts that
+//! share full KV blocks with an earlier or running request take them from the prefix cache; the
+//! reused part was then computed in another request's forward calls, which can move the last
+//! bits of a logit (as llama.cpp's server with its prompt cache).
 
 use std::io::{Read, Write};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -25,11 +28,12 @@ use serde_json::json;
 
 use crate::cli::args::RunArgs;
 use crate::cli::load::Loaded;
-use crate::cli::run::{cancel_flag, load_model, prompt_tokens};
+use crate::cli::run::{cancel_flag, load_model_for, prompt_tokens};
 use crate::cli::{note, progress, UsageError};
-use infer::engine::generate::{generate, GenParams, StopReason};
-use infer::engine::runner::Sequence;
+use infer::engine::generate::{GenParams, StopReason};
+use infer::engine::request::{Event, RequestId, RequestSpec};
 use infer::engine::sampler::SamplerConfig;
+use infer::engine::scheduler::{Scheduler, SchedulerConfig};
 
 #[derive(Deserialize, Debug)]
 #[serde(deny_unknown_fields)]
@@ -104,6 +108,7 @@ fn params_for(
         max_tokens: r.max_tokens.unwrap_or(a.max_tokens),
         sampler,
         stop: [stop, chat_stops].concat(),
+        ignore_eos: false,
     })
 }
 
@@ -115,36 +120,19 @@ struct Outcome {
     stop: StopReason,
 }
 
-fn run_one(
-    loaded: &mut Loaded,
+/// The prompt and settings of one request line.
+fn spec_for(
+    loaded: &Loaded,
     a: &RunArgs,
     base: &SamplerConfig,
     r: &Request,
-    cancel: &std::sync::atomic::AtomicBool,
-) -> Result<Outcome> {
-    let (prompt, chat_stops) = prompt_tokens(loaded, a, &r.prompt)?;
-    let params = params_for(r, a, base, chat_stops).map_err(UsageError)?;
-    let mut seq = Sequence::default();
-    let mut text = String::new();
-    let result = generate(
-        &mut loaded.runner,
-        &mut seq,
-        &loaded.tokenizer,
-        &prompt,
-        &params,
-        cancel,
-        |_, piece| {
-            text.push_str(piece);
-            Ok(())
-        },
-    );
-    loaded.runner.release(&mut seq);
-    let stats = result?;
-    Ok(Outcome {
-        text,
-        prompt_tokens: prompt.len(),
-        generated_tokens: stats.generated_tokens,
-        stop: stats.stop,
+) -> Result<RequestSpec, String> {
+    let (prompt, chat_stops) = prompt_tokens(loaded, a, &r.prompt).map_err(|e| format!("{e:#}"))?;
+    let params = params_for(r, a, base, chat_stops)?;
+    Ok(RequestSpec {
+        prompt,
+        params,
+        logprobs: None,
     })
 }
 
@@ -152,65 +140,119 @@ pub fn batch(a: RunArgs) -> Result<()> {
     let base = a.sampling.config()?;
     let path = a.batch_file.clone().expect("dispatched on --batch-file");
     let entries = read_entries(&path)?;
-    let mut loaded = load_model(&a)?;
+    let parallel = (a.parallel as usize).min(entries.len()).max(1);
+    let loaded = load_model_for(&a, parallel)?;
     let cancel = cancel_flag();
     let bar = progress::requests(entries.len());
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let t0 = Instant::now();
-    let (mut failed, mut n_prompt, mut n_gen) = (0usize, 0usize, 0usize);
-    for (index, e) in entries.iter().enumerate() {
-        let result = e.request.as_ref().map_err(|m| m.clone()).and_then(|r| {
-            run_one(&mut loaded, &a, &base, r, &cancel).map_err(|e| format!("{e:#}"))
-        });
-        let line = match &result {
-            Ok(o) => {
-                n_prompt += o.prompt_tokens;
-                n_gen += o.generated_tokens;
-                json!({
-                    "index": index,
-                    "text": o.text,
-                    "prompt_tokens": o.prompt_tokens,
-                    "generated_tokens": o.generated_tokens,
-                    "stop": o.stop.as_str(),
-                })
+
+    let n = entries.len();
+    let mut results: Vec<Option<Result<Outcome, String>>> = (0..n).map(|_| None).collect();
+    let mut texts = vec![String::new(); n];
+    let mut prompt_lens = vec![0; n];
+    let mut sched = Scheduler::new(SchedulerConfig {
+        max_running: parallel,
+        ..SchedulerConfig::default()
+    });
+    for (i, e) in entries.iter().enumerate() {
+        let spec = e
+            .request
+            .as_ref()
+            .map_err(Clone::clone)
+            .and_then(|r| spec_for(&loaded, &a, &base, r));
+        match spec {
+            Ok(s) => {
+                prompt_lens[i] = s.prompt.len();
+                sched.submit(i as RequestId, s)?;
             }
-            Err(msg) => {
-                failed += 1;
-                json!({"index": index, "line": e.line, "error": msg})
-            }
-        };
-        let write = |out: &mut std::io::StdoutLock<'_>| -> std::io::Result<()> {
-            writeln!(out, "{line}")?;
-            out.flush()
-        };
-        match &bar {
-            Some(b) => {
-                b.suspend(|| write(&mut out))?;
-                b.inc(1);
-            }
-            None => write(&mut out)?,
+            Err(m) => results[i] = Some(Err(m)),
         }
-        if matches!(&result, Ok(o) if o.stop == StopReason::Interrupted) {
-            anyhow::bail!(
-                "interrupted: {} of {} requests done",
-                index + 1,
-                entries.len()
-            );
+    }
+    let (tok, mut runner) = (loaded.tokenizer, loaded.runner);
+    let (mut failed, mut n_prompt, mut n_gen, mut interrupted) = (0usize, 0usize, 0usize, 0usize);
+    let mut next = 0;
+    let mut events = Vec::new();
+    let mut cancelled = false;
+    loop {
+        // Lines go out in input order, each as soon as it and all before it are done.
+        while next < n {
+            let Some(result) = results[next].take() else {
+                break;
+            };
+            let line = match &result {
+                Ok(o) => {
+                    n_prompt += o.prompt_tokens;
+                    n_gen += o.generated_tokens;
+                    interrupted += usize::from(o.stop == StopReason::Interrupted);
+                    json!({
+                        "index": next,
+                        "text": o.text,
+                        "prompt_tokens": o.prompt_tokens,
+                        "generated_tokens": o.generated_tokens,
+                        "stop": o.stop.as_str(),
+                    })
+                }
+                Err(msg) => {
+                    failed += 1;
+                    json!({"index": next, "line": entries[next].line, "error": msg})
+                }
+            };
+            let write = |out: &mut std::io::StdoutLock<'_>| -> std::io::Result<()> {
+                writeln!(out, "{line}")?;
+                out.flush()
+            };
+            match &bar {
+                Some(b) => {
+                    b.suspend(|| write(&mut out))?;
+                    b.inc(1);
+                }
+                None => write(&mut out)?,
+            }
+            next += 1;
+        }
+        if sched.is_idle() {
+            break;
+        }
+        if !cancelled && cancel.load(Ordering::Relaxed) {
+            cancelled = true;
+            (0..n as RequestId).for_each(|i| sched.cancel(i));
+        }
+        sched.step(&mut runner, &tok, &mut events)?;
+        for (id, e) in events.drain(..) {
+            let i = id as usize;
+            match e {
+                Event::Token { text, .. } | Event::Tail(text) => texts[i].push_str(&text),
+                Event::Done(stats) => {
+                    results[i] = Some(Ok(Outcome {
+                        text: std::mem::take(&mut texts[i]),
+                        prompt_tokens: prompt_lens[i],
+                        generated_tokens: stats.generated_tokens,
+                        stop: stats.stop,
+                    }))
+                }
+                Event::Error(m) => results[i] = Some(Err(m)),
+            }
         }
     }
     drop(bar);
     let secs = t0.elapsed().as_secs_f64();
+    let cache = runner.pool().stats();
     note!(
-        "infer: batch of {} requests ({failed} failed) in {secs:.1} s: {n_prompt} prompt tokens, {n_gen} generated ({:.1} tokens/s)",
-        entries.len(),
+        "infer: batch of {n} requests ({failed} failed) in {secs:.1} s, up to {parallel} at once: \
+         {n_prompt} prompt tokens ({} found in the prefix cache), {n_gen} generated ({:.1} tokens/s)",
+        cache.reused_tokens,
         if secs > 0.0 { n_gen as f64 / secs } else { 0.0 }
     );
-    if failed > 0 {
+    if cancelled {
         anyhow::bail!(
-            "{failed} of {} requests failed (their result lines hold \"error\")",
-            entries.len()
+            "interrupted: {} of {n} requests done",
+            n - interrupted - failed
         );
+    }
+    if failed > 0 {
+        anyhow::bail!("{failed} of {n} requests failed (their result lines hold \"error\")");
     }
     Ok(())
 }

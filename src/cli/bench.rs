@@ -64,11 +64,15 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.reps == 0 {
         return Err(UsageError("-r/--reps must be at least 1".into()).into());
     }
-    if a.n_prompt == 0 && a.n_gen == 0 {
+    if !a.concurrency.is_empty() {
+        return crate::cli::bench_concurrency::bench(a);
+    }
+    let n_prompt = a.n_prompt.unwrap_or(512);
+    if n_prompt == 0 && a.n_gen == 0 {
         return Err(UsageError("nothing to measure: -p and -n are both 0".into()).into());
     }
     // The warm-up extends a fresh sequence by five tokens.
-    let ctx = a.depth + a.n_prompt.max(a.n_gen).max(5) + 1;
+    let ctx = a.depth + n_prompt.max(a.n_gen).max(5) + 1;
     let loaded = load(&a.model, Some(ctx))?;
     let mut runner = loaded.runner;
     if runner.n_ctx() < ctx {
@@ -130,7 +134,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         let toks: Vec<u32> = (0..4).map(|_| rng.next(vocab)).collect();
         runner.extend(&mut seq, &toks)?;
         runner.extend(&mut seq, &[rng.next(vocab)])?;
-        runner.release(&mut seq);
+        drop(seq);
     }
     let depth_tag = if a.depth > 0 {
         format!(" @ d{}", a.depth)
@@ -138,7 +142,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         String::new()
     };
     let mut pp = Summary {
-        name: format!("pp{}{depth_tag}", a.n_prompt),
+        name: format!("pp{}{depth_tag}", n_prompt),
         runs: Vec::new(),
     };
     let mut tg = Summary {
@@ -147,13 +151,13 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     };
     let progress = !a.json && crate::cli::progress::enabled();
     for rep in 0..a.reps {
-        if a.n_prompt > 0 {
+        if n_prompt > 0 {
             let mut seq = fresh(&mut runner, &mut rng)?;
-            let toks: Vec<u32> = (0..a.n_prompt).map(|_| rng.next(vocab)).collect();
+            let toks: Vec<u32> = (0..n_prompt).map(|_| rng.next(vocab)).collect();
             let t0 = Instant::now();
             runner.extend(&mut seq, &toks)?;
-            pp.runs.push(a.n_prompt as f64 / t0.elapsed().as_secs_f64());
-            runner.release(&mut seq);
+            pp.runs.push(n_prompt as f64 / t0.elapsed().as_secs_f64());
+            drop(seq);
         }
         let mut before = measure_bandwidth(&runner)?;
         bandwidth.runs.push(before);
@@ -184,7 +188,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 before = after;
                 left -= tokens;
             }
-            runner.release(&mut seq);
+            drop(seq);
             let secs: f64 = stretches.iter().map(|s| s.secs).sum();
             tg.runs.push(a.n_gen as f64 / secs);
             efficiency

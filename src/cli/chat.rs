@@ -32,8 +32,10 @@ use crate::cli::load::load;
 use crate::cli::{note, progress};
 use infer::chat::input::{self, Command, Setting, HELP};
 use infer::chat::{Conversation, PromptFormat};
-use infer::engine::generate::{generate, GenParams, StopReason};
+use infer::engine::generate::{GenParams, StopReason};
+use infer::engine::request::{Event, RequestSpec};
 use infer::engine::runner::{Runner, Sequence};
+use infer::engine::scheduler::run_one;
 use infer::format::Gguf;
 use infer::kernels::device::DeviceBackend;
 use infer::tokenizer::Tokenizer;
@@ -163,17 +165,24 @@ impl Session {
         let mut answer = String::new();
         let stdout = std::io::stdout();
         let mut out = stdout.lock();
-        let result = generate(
+        let request = RequestSpec {
+            prompt: tokens,
+            params: self.params.clone(),
+            logprobs: None,
+        };
+        let result = run_one(
             &mut self.runner,
-            &mut self.seq,
             &self.tok,
-            &tokens,
-            &self.params,
+            &mut self.seq,
+            request,
             &self.cancel,
-            |_, piece| {
-                answer.push_str(piece);
-                out.write_all(piece.as_bytes())?;
-                out.flush()?;
+            &mut |_, _| {},
+            |e| {
+                if let Event::Token { text: piece, .. } | Event::Tail(piece) = e {
+                    answer.push_str(piece);
+                    out.write_all(piece.as_bytes())?;
+                    out.flush()?;
+                }
                 Ok(())
             },
         );
@@ -183,7 +192,7 @@ impl Session {
             Ok(s) => s,
             Err(e) => {
                 // the KV state is unknown: start the cache over next turn
-                self.runner.release(&mut self.seq);
+                self.seq = Sequence::default();
                 self.seq_text.clear();
                 self.conv = before;
                 return Err(e);
@@ -230,14 +239,14 @@ impl Session {
     fn prefill(&mut self) -> Result<()> {
         self.seq_text.clear();
         if self.conv.messages.is_empty() {
-            self.runner.release(&mut self.seq);
+            self.seq = Sequence::default();
             return Ok(());
         }
         let (text, tokens) = self.fit(false)?;
         let t0 = Instant::now();
         let reused = self.runner.reuse_prefix(&mut self.seq, &tokens);
         if let Err(e) = self.runner.compute(&mut self.seq) {
-            self.runner.release(&mut self.seq);
+            self.seq = Sequence::default();
             return Err(e);
         }
         self.seq_text = text;
@@ -383,6 +392,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         max_tokens: a.max_tokens,
         sampler,
         stop,
+        ignore_eos: false,
     };
     note!(
         "infer: loaded {} in {:.2} s ({} threads, context {}). /help lists commands; Ctrl-D leaves.",

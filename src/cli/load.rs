@@ -24,19 +24,26 @@ pub fn open_tokenizer(g: &Gguf, path: &Path) -> Result<Tokenizer> {
     engine_load::open_tokenizer(g, path)
 }
 
-/// The loader's options for a command's model flags and `--ctx`.
-fn options(m: &ModelArgs, ctx: Option<usize>) -> LoadOptions {
+/// The loader's options for a command's model flags, `--ctx` and the sequences run at once.
+fn options(m: &ModelArgs, ctx: Option<usize>, n_seq: usize) -> LoadOptions {
     LoadOptions {
         threads: m.threads,
         n_ctx: ctx,
+        n_seq: Some(n_seq),
         device: m.device.device.map(Into::into),
         gpu_layers: m.device.gpu_layers,
     }
 }
 
-/// Loads `m.model` on the device the flags choose.
+/// Loads `m.model` on the device the flags choose, with KV for one sequence of `ctx` positions.
 pub fn load(m: &ModelArgs, ctx: Option<usize>) -> Result<Loaded> {
-    let l = engine_load::load(&crate::cli::models::resolve(&m.model)?, &options(m, ctx))?;
+    load_for(m, ctx, 1)
+}
+
+/// [`load`] with KV for `n_seq` sequences of `ctx` positions each (requests run at once).
+pub fn load_for(m: &ModelArgs, ctx: Option<usize>, n_seq: usize) -> Result<Loaded> {
+    let opts = options(m, ctx, n_seq);
+    let l = engine_load::load(&crate::cli::models::resolve(&m.model)?, &opts)?;
     for n in &l.notes {
         crate::cli::note!("infer: {n}");
     }
@@ -45,5 +52,5 @@ pub fn load(m: &ModelArgs, ctx: Option<usize>) -> Result<Loaded> {
 
 /// Loads `path` on the CPU whatever the flags say (a speculative draft model), with `m`'s threads.
 pub fn load_cpu(path: &Path, m: &ModelArgs, ctx: Option<usize>) -> Result<Loaded<CpuBackend>> {
-    engine_load::load_cpu(&crate::cli::models::resolve(path)?, &options(m, ctx))
+    engine_load::load_cpu(&crate::cli::models::resolve(path)?, &options(m, ctx, 1))
 }

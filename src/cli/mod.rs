@@ -4,6 +4,7 @@
 mod args;
 mod batch;
 mod bench;
+mod bench_concurrency;
 mod chat;
 mod imatrix;
 mod load;

@@ -12,11 +12,13 @@ use anyhow::Result;
 use serde_json::{json, Value};
 
 use crate::cli::args::RunArgs;
-use crate::cli::load::{load, load_cpu, Loaded};
+use crate::cli::load::{load_cpu, load_for, Loaded};
 use crate::cli::tokenize::read_stdin_text;
 use crate::cli::{note, progress, UsageError};
 use infer::engine::generate::{generate_with, GenHooks, GenParams, TokenEvent};
+use infer::engine::request::{Event, RequestSpec};
 use infer::engine::runner::Sequence;
+use infer::engine::scheduler::run_one;
 use infer::engine::speculative::{check_vocab, DraftModel, Method, Speculator};
 use infer::tokenizer::Tokenizer;
 /// Installs the Ctrl-C handler once and returns the flag it raises.
@@ -35,8 +37,13 @@ pub fn cancel_flag() -> Arc<AtomicBool> {
 
 /// Loads `--model` under a spinner (on a terminal) and says how it went (unless `--quiet`).
 pub fn load_model(a: &RunArgs) -> Result<Loaded> {
+    load_model_for(a, 1)
+}
+
+/// [`load_model`] with KV for `n_seq` sequences of `--ctx` positions each.
+pub fn load_model_for(a: &RunArgs, n_seq: usize) -> Result<Loaded> {
     let loaded = progress::with_spinner(format!("loading {}", a.model.model.display()), || {
-        load(&a.model, a.ctx)
+        load_for(&a.model, a.ctx, n_seq)
     })?;
     note!(
         "infer: loaded {} in {:.2} s ({} threads, context {})",
@@ -137,12 +144,12 @@ pub fn run(a: RunArgs) -> Result<()> {
         max_tokens: a.max_tokens,
         sampler,
         stop: [a.stop.clone(), chat_stops].concat(),
+        ignore_eos: false,
     };
     let tty = std::io::stdout().is_terminal();
     let cancel = cancel_flag();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let mut seq = Sequence::default();
     let bar = progress::prefill(prompt.len());
     let mut on_prefill = |done: usize, _total: usize| {
         if let Some(b) = &bar {
@@ -154,37 +161,70 @@ pub fn run(a: RunArgs) -> Result<()> {
         // A draft model on the CPU drafts ahead while a GPU target verifies.
         s.overlap = runner.model.backend.gpu_layers > 0;
     }
-    let hooks = GenHooks {
-        logprobs: a.logprobs,
-        prefill_progress: Some(&mut on_prefill),
-        spec: spec.as_mut(),
-    };
     let mut first = true;
-    let stats = generate_with(
-        &mut runner,
-        &mut seq,
-        &tok,
-        &prompt,
-        &params,
-        &cancel,
-        hooks,
-        |e| {
-            if std::mem::take(&mut first) {
-                if let Some(b) = &bar {
-                    b.finish_and_clear();
-                }
+    let mut emit = |e: TokenEvent<'_>| -> Result<()> {
+        if std::mem::take(&mut first) {
+            if let Some(b) = &bar {
+                b.finish_and_clear();
             }
-            if a.json {
-                if e.id.is_some() || !e.text.is_empty() {
-                    writeln!(out, "{}", token_line(&tok, &e))?;
-                }
-            } else {
-                out.write_all(e.text.as_bytes())?;
+        }
+        if a.json {
+            if e.id.is_some() || !e.text.is_empty() {
+                writeln!(out, "{}", token_line(&tok, &e))?;
             }
-            out.flush()?;
-            Ok(())
-        },
-    )?;
+        } else {
+            out.write_all(e.text.as_bytes())?;
+        }
+        out.flush()?;
+        Ok(())
+    };
+    let stats = if spec.is_some() {
+        // Speculative decoding drafts and verifies one sequence's tokens in its own loop.
+        let hooks = GenHooks {
+            logprobs: a.logprobs,
+            prefill_progress: Some(&mut on_prefill),
+            spec: spec.as_mut(),
+        };
+        let mut seq = Sequence::default();
+        generate_with(
+            &mut runner,
+            &mut seq,
+            &tok,
+            &prompt,
+            &params,
+            &cancel,
+            hooks,
+            emit,
+        )?
+    } else {
+        // Through the scheduler, as a server's requests run.
+        let request = RequestSpec {
+            prompt: prompt.clone(),
+            params,
+            logprobs: a.logprobs,
+        };
+        run_one(
+            &mut runner,
+            &tok,
+            &mut Sequence::default(),
+            request,
+            &cancel,
+            &mut on_prefill,
+            |e| match e {
+                Event::Token { id, text, logprobs } => emit(TokenEvent {
+                    id: Some(*id),
+                    text,
+                    logprobs: logprobs.clone(),
+                }),
+                Event::Tail(text) => emit(TokenEvent {
+                    id: None,
+                    text,
+                    logprobs: None,
+                }),
+                Event::Done(_) | Event::Error(_) => Ok(()),
+            },
+        )?
+    };
     drop(bar);
     if a.json {
         writeln!(

@@ -21,6 +21,8 @@ pub struct GenParams {
     pub max_tokens: usize,
     pub sampler: SamplerConfig,
     pub stop: Vec<String>,
+    /// Keep generating past end-of-generation tokens (benchmarks that want `max_tokens` each).
+    pub ignore_eos: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,6 +148,7 @@ pub fn generate_with<B: Backend>(
     );
     let t0 = Instant::now();
     let reused = runner.reuse_prefix(seq, prompt);
+    runner.pool().count(reused, prompt.len() - reused);
     let mut logits = match hooks.prefill_progress {
         Some(p) => runner.compute_progress(seq, p)?,
         None => runner.compute(seq)?,
@@ -179,7 +182,7 @@ pub fn generate_with<B: Backend>(
                 None => sampler.sample(&logits, &seq.tokens[..emitted_base + generated]),
             },
         };
-        if tok.is_eog(id) {
+        if tok.is_eog(id) && !params.ignore_eos {
             break StopReason::Eos;
         }
         let logprobs = hooks.logprobs.map(|n| {

@@ -39,8 +39,10 @@ pub enum Device {
 pub struct LoadOptions {
     /// Compute threads (default: the physical cores).
     pub threads: Option<usize>,
-    /// KV positions (default 4096, never more than the model was trained for).
+    /// KV positions of one sequence (default 4096, never more than the model was trained for).
     pub n_ctx: Option<usize>,
+    /// Sequences that may run at once (default 1): the KV pool holds `n_ctx` positions for each.
+    pub n_seq: Option<usize>,
     /// `None`: not asked for, which is [`Device::Auto`] without the note about falling back to
     /// the CPU on machines with no NVIDIA driver at all.
     pub device: Option<Device>,
@@ -96,7 +98,8 @@ fn load_with<B: Backend>(
     let cfg = ModelConfig::from_gguf(&g).with_context(|| format!("reading {}", path.display()))?;
     let threads = opts.threads.unwrap_or_else(physical_cores).max(1);
     let n_ctx = opts.n_ctx.unwrap_or(4096).min(cfg.n_ctx_train.max(1));
-    let backend = make(&g, &cfg, CpuBackend::new(threads), n_ctx)?;
+    let n_seq = opts.n_seq.unwrap_or(1).max(1);
+    let backend = make(&g, &cfg, CpuBackend::new(threads), n_ctx * n_seq)?;
     let weights =
         Weights::load(&g, &cfg, &backend).with_context(|| format!("loading {}", path.display()))?;
     let model = Model {
@@ -105,7 +108,7 @@ fn load_with<B: Backend>(
         backend,
         block_size: BLOCK_SIZE,
     };
-    let runner = Runner::new(model, n_ctx)?;
+    let runner = Runner::shared(model, n_ctx, n_seq)?;
     Ok(Loaded {
         gguf: g,
         tokenizer,
@@ -191,16 +194,20 @@ mod tests {
         let cpu = LoadOptions {
             threads: Some(1),
             n_ctx: Some(64),
+            n_seq: Some(3),
             device: Some(Device::Cpu),
             gpu_layers: None,
         };
         let l = load(&tiny(), &cpu).unwrap();
         assert_eq!((l.threads, l.runner.n_ctx()), (1, 64));
+        // three sequences' worth of 64 positions in blocks of 32
+        assert_eq!(l.runner.pool().n_blocks(), 6);
         assert!(l.notes.is_empty(), "{:?}", l.notes);
         assert_eq!(l.runner.model.backend.name(), "cpu");
         let two = LoadOptions {
             threads: Some(2),
             n_ctx: Some(100_000),
+            n_seq: None,
             ..cpu
         };
         let l = load_cpu(&tiny(), &two).unwrap();

@@ -1,13 +1,17 @@
 //! Sequences, KV cache blocks, sampling and the generation loop: everything between the model's
 //! forward pass and the user interfaces. `load` opens a model on the device a caller chooses,
-//! `kv_blocks` hands out KV pages, `runner` drives sequences through the model, `sampler` and
-//! `stop` pick tokens and end generation, `generate` is the loop, `speculative` drafts and
-//! verifies several tokens per step.
+//! `kv_blocks` shares KV pages between sequences and keeps the prefix cache, `runner` drives
+//! sequences through the model, `request` turns one request's logits into tokens, text and
+//! events (sampler, stop strings), `scheduler` runs many requests at once with continuous
+//! batching, `generate` is the single-sequence loop, `speculative` drafts and verifies several
+//! tokens per step.
 
 pub mod generate;
 pub mod kv_blocks;
 pub mod load;
+pub mod request;
 pub mod runner;
 pub mod sampler;
+pub mod scheduler;
 pub mod speculative;
 pub mod stop;

@@ -1,10 +1,16 @@
-//! The runner: a model, its KV storage and the block manager, driving sequences through the forward
-//! pass. A `Sequence` is the token history whose KV is cached; positions `0..n_cached` have valid K/V.
-//! Rolling back (speculation, chat edits) is truncating the sequence; no K/V is copied.
+//! The runner: a model, its KV storage and the block pool, driving sequences through the forward
+//! pass. A `Sequence` is the token history whose KV is cached; positions `0..n_cached` have valid
+//! K/V. Rolling back (speculation, chat edits) is truncating the sequence; no K/V is copied.
+//! Sequences hold their blocks through a [`BlockTable`], which gives them back when the sequence
+//! is dropped; full blocks enter the prefix cache as soon as they are computed, and a sequence
+//! that starts with a cached prefix takes those blocks instead of computing them
+//! ([`Runner::reuse_prefix`]). A write into a shared or cached block copies it first.
+
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use anyhow::{bail, Result};
 
-use crate::engine::kv_blocks::BlockManager;
+use crate::engine::kv_blocks::{BlockPool, BlockTable};
 use crate::model::{Backend, BatchEntry, Model};
 
 /// Positions per KV block.
@@ -12,29 +18,62 @@ pub const BLOCK_SIZE: usize = 32;
 /// Tokens per forward call during prefill.
 pub const PREFILL_CHUNK: usize = 512;
 
-#[derive(Clone, Debug, Default)]
+static NEXT_ID: AtomicU32 = AtomicU32::new(1);
+
+/// A sequence: its tokens and the KV blocks holding the cached ones. Every sequence has its own
+/// id (attention groups a batch's rows by it); dropping it releases its blocks.
+#[derive(Debug)]
 pub struct Sequence {
+    pub id: u32,
     /// Every token of the sequence, cached or not yet.
     pub tokens: Vec<u32>,
-    pub block_table: Vec<u32>,
+    pub blocks: BlockTable,
     /// Tokens whose K/V are in the cache.
     pub n_cached: usize,
+}
+
+impl Default for Sequence {
+    fn default() -> Sequence {
+        Sequence {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            tokens: Vec::new(),
+            blocks: BlockTable::default(),
+            n_cached: 0,
+        }
+    }
+}
+
+impl Sequence {
+    /// A sequence holding `tokens`, none cached yet.
+    pub fn new(tokens: Vec<u32>) -> Sequence {
+        Sequence {
+            tokens,
+            ..Sequence::default()
+        }
+    }
 }
 
 pub struct Runner<B: Backend> {
     pub model: Model<B>,
     kv: B::Kv,
-    blocks: BlockManager,
+    pool: BlockPool,
     n_ctx: usize,
 }
 
 impl<B: Backend> Runner<B> {
-    /// Allocates KV storage for `n_ctx` positions in total.
+    /// KV storage for one sequence of up to `n_ctx` positions.
     pub fn new(model: Model<B>, n_ctx: usize) -> Result<Runner<B>> {
+        Runner::shared(model, n_ctx, 1)
+    }
+
+    /// KV storage for `n_seq` sequences of up to `n_ctx` positions each: one pool of
+    /// `n_ctx * n_seq` positions that every sequence draws on (a sequence may use more than its
+    /// share while others use less; none may grow past `n_ctx`).
+    pub fn shared(model: Model<B>, n_ctx: usize, n_seq: usize) -> Result<Runner<B>> {
         if n_ctx == 0 {
             bail!("context size must be at least 1");
         }
-        let n_blocks = n_ctx.div_ceil(BLOCK_SIZE);
+        let n_blocks = n_ctx.div_ceil(BLOCK_SIZE) * n_seq.max(1);
         let cfg = &model.cfg;
         let kv =
             model
@@ -43,13 +82,18 @@ impl<B: Backend> Runner<B> {
         Ok(Runner {
             model,
             kv,
-            blocks: BlockManager::new(n_blocks, BLOCK_SIZE),
+            pool: BlockPool::new(n_blocks, BLOCK_SIZE),
             n_ctx,
         })
     }
 
+    /// The most positions one sequence may hold.
     pub fn n_ctx(&self) -> usize {
         self.n_ctx
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
     }
 
     /// Gives a logits row back once it is no longer needed, so the next step reuses its buffer
@@ -75,13 +119,79 @@ impl<B: Backend> Runner<B> {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Vec<f32>> {
         let n = seq.tokens.len();
-        self.compute_with(seq, |i| i + 1 == n, progress)
+        let end = seq.tokens.len();
+        self.compute_with(seq, end, |i| i + 1 == n, progress)
             .map(|mut l| l.pop().expect("last row always has logits"))
     }
 
     /// Computes the uncached tokens and returns logits for every one of them (speculative verification).
     pub fn compute_all(&mut self, seq: &mut Sequence) -> Result<Vec<Vec<f32>>> {
-        self.compute_with(seq, |_| true, &mut |_, _| {})
+        let end = seq.tokens.len();
+        self.compute_with(seq, end, |_| true, &mut |_, _| {})
+    }
+
+    /// Computes the next prefill chunk of `seq`: positions `n_cached` up to the next multiple of
+    /// [`PREFILL_CHUNK`] past `origin` (where its prefill started), at most `end`. Returns the last
+    /// position's logits when the chunk reaches `end`. Chunk boundaries depend only on `origin`,
+    /// so a prompt is computed in the same forward calls whatever else runs beside it.
+    pub fn prefill_chunk(
+        &mut self,
+        seq: &mut Sequence,
+        origin: usize,
+        end: usize,
+    ) -> Result<Option<Vec<f32>>> {
+        let start = seq.n_cached;
+        debug_assert!(start >= origin && (start - origin).is_multiple_of(PREFILL_CHUNK));
+        let stop = (start + PREFILL_CHUNK).min(end);
+        let mut rows = self.compute_with(seq, stop, |i| i + 1 == end, &mut |_, _| {})?;
+        Ok(rows.pop())
+    }
+
+    /// One forward over several sequences: each one's uncached tokens (usually one) are rows of
+    /// the same batch, and each gets its last token's logits, in order. With `invariant`, every
+    /// row is computed with the arithmetic a one-row forward uses, so a sequence's results do not
+    /// depend on what else is in the batch. Takes nothing when the pool cannot hold every row.
+    pub fn step(&mut self, seqs: &mut [&mut Sequence], invariant: bool) -> Result<Vec<Vec<f32>>> {
+        let bs = BLOCK_SIZE;
+        let need: usize = seqs
+            .iter()
+            .map(|s| s.tokens.len().div_ceil(bs).saturating_sub(s.blocks.len()))
+            .sum();
+        if !self.pool.can_allocate(need) {
+            bail!(
+                "KV cache is full: {need} more blocks needed, {} available (raise --ctx)",
+                self.pool.n_available()
+            );
+        }
+        for s in seqs.iter_mut() {
+            if s.n_cached >= s.tokens.len() {
+                bail!("sequence {} has nothing to compute", s.id);
+            }
+            self.prepare(s, s.n_cached, s.tokens.len())?;
+        }
+        let batch: Vec<BatchEntry<'_>> = seqs
+            .iter()
+            .flat_map(|s| {
+                let end = s.tokens.len();
+                (s.n_cached..end).map(move |pos| BatchEntry {
+                    token: s.tokens[pos],
+                    pos: pos as u32,
+                    seq: s.id,
+                    block_table: s.blocks.blocks(),
+                    logits: pos + 1 == end,
+                })
+            })
+            .collect();
+        let be = &self.model.backend;
+        be.set_row_invariant(invariant);
+        let out = self.model.forward(&mut self.kv, &batch);
+        be.set_row_invariant(false);
+        let out = out?;
+        for s in seqs.iter_mut() {
+            s.n_cached = s.tokens.len();
+            s.blocks.register_full(&s.tokens, s.n_cached);
+        }
+        Ok(out)
     }
 
     /// Early exit for self-speculative drafting: runs `seq.tokens[from..]` through the first
@@ -101,19 +211,13 @@ impl<B: Backend> Runner<B> {
                 seq.n_cached
             );
         }
-        if end > self.n_ctx {
-            bail!(
-                "context is full: {} tokens needed, the context holds {} (raise --ctx)",
-                end,
-                self.n_ctx
-            );
-        }
-        self.blocks.allocate(&mut seq.block_table, end)?;
+        self.prepare(seq, from, end)?;
         let batch: Vec<BatchEntry<'_>> = (from..end)
             .map(|pos| BatchEntry {
                 token: seq.tokens[pos],
                 pos: pos as u32,
-                block_table: &seq.block_table,
+                seq: seq.id,
+                block_table: seq.blocks.blocks(),
                 logits: pos + 1 == end,
             })
             .collect();
@@ -127,25 +231,35 @@ impl<B: Backend> Runner<B> {
         self.compute(seq)
     }
 
-    /// Positions `want(pos)` get logits; the result is in position order.
-    fn compute_with(
-        &mut self,
-        seq: &mut Sequence,
-        want: impl Fn(usize) -> bool,
-        progress: &mut dyn FnMut(usize, usize),
-    ) -> Result<Vec<Vec<f32>>> {
-        let (start, end) = (seq.n_cached, seq.tokens.len());
-        if start >= end {
-            bail!("nothing to compute: every token of the sequence is cached");
-        }
+    /// Makes positions `start..end` of `seq` writable: blocks allocated, shared or cached ones
+    /// among them copied.
+    fn prepare(&mut self, seq: &mut Sequence, start: usize, end: usize) -> Result<()> {
         if end > self.n_ctx {
             bail!(
-                "context is full: {} tokens needed, the context holds {} (raise --ctx)",
-                end,
+                "context is full: {end} tokens needed, the context holds {} (raise --ctx)",
                 self.n_ctx
             );
         }
-        self.blocks.allocate(&mut seq.block_table, end)?;
+        let copies = seq.blocks.prepare_write(&self.pool, start, end)?;
+        if !copies.is_empty() {
+            self.model.backend.kv_copy_blocks(&mut self.kv, &copies);
+        }
+        Ok(())
+    }
+
+    /// Positions `want(pos)` get logits; computes `n_cached..end`, the result is in position order.
+    fn compute_with(
+        &mut self,
+        seq: &mut Sequence,
+        end: usize,
+        want: impl Fn(usize) -> bool,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Vec<Vec<f32>>> {
+        let start = seq.n_cached;
+        if start >= end {
+            bail!("nothing to compute: every token of the sequence is cached");
+        }
+        self.prepare(seq, start, end)?;
         let mut out = Vec::new();
         for base in (start..end).step_by(PREFILL_CHUNK) {
             let stop = (base + PREFILL_CHUNK).min(end);
@@ -153,33 +267,60 @@ impl<B: Backend> Runner<B> {
                 .map(|pos| BatchEntry {
                     token: seq.tokens[pos],
                     pos: pos as u32,
-                    block_table: &seq.block_table,
+                    seq: seq.id,
+                    block_table: seq.blocks.blocks(),
                     logits: want(pos),
                 })
                 .collect();
             let logits = self.model.forward(&mut self.kv, &batch)?;
             out.extend(logits);
             seq.n_cached = stop;
+            seq.blocks.register_full(&seq.tokens, stop);
             progress(stop - start, end - start);
         }
         Ok(out)
     }
 
-    /// Keeps the longest cached prefix shared with `tokens`, then makes the sequence hold `tokens`
-    /// (the rest uncached). Returns how many tokens were reused. At least one token is left uncached so
-    /// that `compute` has logits to return.
+    /// Makes the sequence hold `tokens` with as much as possible already cached: the longest
+    /// prefix shared with what the sequence has cached, or, if longer, the longest prefix of full
+    /// blocks in the prefix cache. Returns how many tokens were reused. At least one token is
+    /// left uncached so that `compute` has logits to return. (Callers count a prompt's reused and
+    /// computed tokens into the pool's stats with [`BlockPool::count`].)
     pub fn reuse_prefix(&mut self, seq: &mut Sequence, tokens: &[u32]) -> usize {
-        let common = seq
+        let limit = tokens.len().saturating_sub(1);
+        let own = seq
             .tokens
             .iter()
             .zip(tokens)
             .take(seq.n_cached)
             .take_while(|(a, b)| a == b)
             .count()
-            .min(tokens.len().saturating_sub(1));
-        self.truncate(seq, common);
-        seq.tokens.extend_from_slice(&tokens[common..]);
-        common
+            .min(limit);
+        let mut fresh = BlockTable::default();
+        let cached = fresh.adopt_cached(&self.pool, tokens).unwrap_or(0);
+        if cached.min(limit) > own {
+            // The cached blocks hold more: the sequence takes them instead of its own.
+            seq.blocks = fresh;
+            seq.tokens.clear();
+            seq.tokens.extend_from_slice(tokens);
+            seq.n_cached = cached.min(limit);
+            seq.blocks.truncate(seq.n_cached);
+            return seq.n_cached;
+        }
+        drop(fresh);
+        self.truncate(seq, own);
+        seq.tokens.extend_from_slice(&tokens[own..]);
+        own
+    }
+
+    /// A new sequence sharing `seq`'s tokens and cached K/V (blocks are copied on first write).
+    pub fn fork(&self, seq: &Sequence) -> Sequence {
+        Sequence {
+            tokens: seq.tokens.clone(),
+            blocks: seq.blocks.share(),
+            n_cached: seq.n_cached,
+            ..Sequence::default()
+        }
     }
 
     /// Forgets every position from `len` on.
@@ -187,11 +328,6 @@ impl<B: Backend> Runner<B> {
         let len = len.min(seq.tokens.len());
         seq.tokens.truncate(len);
         seq.n_cached = seq.n_cached.min(len);
-        self.blocks.truncate(&mut seq.block_table, len);
-    }
-
-    /// Releases all of a sequence's blocks.
-    pub fn release(&mut self, seq: &mut Sequence) {
-        self.truncate(seq, 0);
+        seq.blocks.truncate(len);
     }
 }

@@ -163,6 +163,9 @@ impl<B: Backend> Backend for Observed<B> {
     fn glu(&self, gate: &mut Self::Act, up: &Self::Act, act: Activation) {
         self.inner.glu(gate, up, act)
     }
+    fn kv_copy_blocks(&self, kv: &mut Self::Kv, pairs: &[(u32, u32)]) {
+        self.inner.kv_copy_blocks(kv, pairs)
+    }
     fn kv_write(
         &self,
         kv: &mut Self::Kv,

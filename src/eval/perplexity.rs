@@ -97,6 +97,7 @@ impl<'m, B: Backend> Evaluator<'m, B> {
             .map(|pos| BatchEntry {
                 token: window[pos],
                 pos: pos as u32,
+                seq: 0,
                 block_table: &self.table,
                 logits: want(pos),
             })

@@ -412,6 +412,17 @@ impl Backend for DeviceBackend {
         attention_block_steps(self, h, blk, kv, layer, batch, s, out)
     }
 
+    fn kv_copy_blocks(&self, kv: &mut DevKv, pairs: &[(u32, u32)]) {
+        if let Some(c) = &mut kv.cuda {
+            self.gpu().kv_copy_blocks(c, pairs);
+        }
+        if let Some(c) = &mut kv.cpu {
+            // Only the CPU's layers: the GPU layers' host planes stay untouched (no memory).
+            let layers = self.gpu_layers.min(c.k.layers())..c.k.layers();
+            c.copy_blocks(pairs, layers);
+        }
+    }
+
     fn kv_write(&self, kv: &mut DevKv, layer: usize, k: &DevAct, v: &DevAct, slots: &[usize]) {
         match (layer < self.gpu_layers, &mut kv.cuda, &mut kv.cpu) {
             (true, Some(c), _) => {
@@ -548,6 +559,7 @@ mod tests {
         let (k, v) = (act(&data(pos * kvd, 7), kvd), act(&data(pos * kvd, 8), kvd));
         be.kv_write(&mut kv, 0, &k, &v, &slots);
         let queries = [AttnQuery {
+            seq: 0,
             block_table: &table,
             pos: pos as u32,
             lo: 0,

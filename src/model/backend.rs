@@ -56,6 +56,8 @@ pub enum KvType {
 /// One query row of attention: where its sequence's keys live and how far it may look.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnQuery<'a> {
+    /// The query's sequence (queries of one sequence share `block_table`).
+    pub seq: u32,
     /// Physical KV blocks of the query's sequence, in position order.
     pub block_table: &'a [u32],
     /// The query's position; it attends to keys at positions `lo..=pos`.
@@ -266,6 +268,9 @@ pub trait Backend {
         v: &Self::Act,
         slots: &[usize],
     );
+    /// Copies whole KV blocks, every layer's K and V: for each `(from, to)`, block `to` gets
+    /// block `from`'s positions (copy-on-write of a shared block before it is written).
+    fn kv_copy_blocks(&self, kv: &mut Self::Kv, pairs: &[(u32, u32)]);
     /// A whole attention sublayer with plain projections (see [`AttnBlock`]), its output into
     /// `out` (n, n_embd), every value as [`attention_block_steps`] computes it (the scratch rows
     /// are left unspecified). A backend may fuse the steps (the CPU one runs a decode step's

@@ -21,6 +21,9 @@ use crate::model::{mla, moe};
 pub struct BatchEntry<'a> {
     pub token: u32,
     pub pos: u32,
+    /// The entry's sequence: rows of one sequence share its keys, and no two sequences in a
+    /// batch share an id.
+    pub seq: u32,
     /// Physical KV blocks of this entry's sequence (must cover `pos`).
     pub block_table: &'a [u32],
     /// Return logits for this entry.
@@ -102,6 +105,7 @@ impl<B: Backend> Model<B> {
                     let qs = batch
                         .iter()
                         .map(|e| AttnQuery {
+                            seq: e.seq,
                             block_table: e.block_table,
                             pos: e.pos,
                             lo: match lc.window {

@@ -152,7 +152,7 @@ impl DraftModel {
     /// Forgets the draft's sequence and any draft made ahead (between generations).
     pub fn reset(&mut self) {
         self.ahead = None;
-        self.runner.release(&mut self.seq);
+        self.seq = Sequence::default();
     }
 }
 

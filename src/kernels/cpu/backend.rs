@@ -165,6 +165,25 @@ pub struct CpuKv {
     pub f32: Option<KvF32>,
 }
 
+impl CpuKv {
+    /// Copies whole blocks (`(from, to)` pairs) in `layers` of the f16 planes, or in every layer
+    /// of the f32 storage.
+    pub fn copy_blocks(&mut self, pairs: &[(u32, u32)], layers: std::ops::Range<usize>) {
+        let n = self.block_size * self.kv_dim;
+        for &(from, to) in pairs {
+            let (from, to) = (from as usize * n, to as usize * n);
+            if let Some(kv32) = &mut self.f32 {
+                kv32.copy(from, to, n);
+                continue;
+            }
+            for l in layers.clone() {
+                self.k[l].copy_within(from..from + n, to);
+                self.v[l].copy_within(from..from + n, to);
+            }
+        }
+    }
+}
+
 /// A raw pointer to f32 data shared across the pool's threads, each writing disjoint elements.
 #[derive(Clone, Copy)]
 struct SharedF32(*mut f32);
@@ -490,6 +509,11 @@ impl Backend for CpuBackend {
         if !ffn::decode(&self.pool, h, ws, act, gate, up, out) {
             ffn_dense_steps(self, h, ws, act, gate, up, out);
         }
+    }
+
+    fn kv_copy_blocks(&self, kv: &mut CpuKv, pairs: &[(u32, u32)]) {
+        let layers = 0..kv.k.layers();
+        kv.copy_blocks(pairs, layers);
     }
 
     fn kv_write(&self, kv: &mut CpuKv, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[usize]) {

@@ -193,9 +193,7 @@ impl CudaBackend {
         let (tables, meta) = (self.ints(&tables)?, self.ints(&meta)?);
         // Rows of one sequence (a prefill chunk, a speculative verify) share K/V loads in the
         // tiled kernel; lone rows (decode, batched decode) use split-KV flash decoding.
-        let tiles = ops::prefill_tiles(queries.len(), |i, j| {
-            queries[i].block_table == queries[j].block_table
-        });
+        let tiles = ops::prefill_tiles(queries.len(), |i, j| queries[i].seq == queries[j].seq);
         let tiled = tiles.len() / 2 < queries.len();
         let n_split = longest.div_ceil(ops::ATTN_SPLIT);
         let part_bytes = ops::attn_part_bytes(queries.len(), shape.n_head, shape.head_dim, n_split);
@@ -419,6 +417,24 @@ impl Backend for CudaBackend {
                 act,
             ),
         )
+    }
+
+    fn kv_copy_blocks(&self, kv: &mut CudaKv, pairs: &[(u32, u32)]) {
+        // Through the host: copy-on-write is rare (a forked or cache-shared partial block), and
+        // the launch interface has no device-to-device copy.
+        let n = kv.block_size * kv.kv_dim * 2;
+        let mut buf = vec![0u8; n];
+        for &(from, to) in pairs {
+            let (from, to) = (from as u64 * n as u64, to as u64 * n as u64);
+            for plane in kv.k.iter().chain(kv.v.iter()) {
+                ok(
+                    "kv_copy_blocks",
+                    self.l
+                        .download(plane.ptr + from, &mut buf)
+                        .and_then(|()| self.l.upload(plane.ptr + to, &buf)),
+                );
+            }
+        }
     }
 
     fn kv_write(&self, kv: &mut CudaKv, layer: usize, k: &CudaAct, v: &CudaAct, slots: &[usize]) {

@@ -23,6 +23,13 @@ impl KvF32 {
         }
     }
 
+    /// Copies `n` values from offset `from` to offset `to` in every layer's K and V.
+    pub fn copy(&mut self, from: usize, to: usize, n: usize) {
+        for plane in self.k.iter_mut().chain(self.v.iter_mut()) {
+            plane.copy_within(from..from + n, to);
+        }
+    }
+
     /// Copies row i of `k` and `v` into slot `slots[i]` of `layer`.
     pub fn write(&mut self, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[usize]) {
         let d = k.cols;
@@ -153,11 +160,13 @@ mod tests {
         };
         let queries = [
             AttnQuery {
+                seq: 0,
                 block_table: &table,
                 pos: 2,
                 lo: 0,
             },
             AttnQuery {
+                seq: 0,
                 block_table: &table,
                 pos: 2,
                 lo: 1,

@@ -325,15 +325,11 @@ pub fn attention(
     let mut seqs: Vec<(usize, SeqKv)> = Vec::new();
     let mut seq_of = Vec::with_capacity(if tiled { queries.len() } else { 0 });
     for qa in queries.iter().filter(|_| tiled) {
-        let id = qa.block_table.as_ptr() as usize;
+        let id = qa.seq as usize;
         let idx = match seqs.iter().position(|(t, _)| *t == id) {
             Some(i) => i,
             None => {
-                let same = || {
-                    queries
-                        .iter()
-                        .filter(|o| o.block_table.as_ptr() as usize == id)
-                };
+                let same = || queries.iter().filter(|o| o.seq as usize == id);
                 let lo = same().map(|o| o.lo as usize).min().unwrap_or(0);
                 let hi = same().map(|o| o.pos as usize).max().unwrap_or(0);
                 let mut seq = SeqKv::new(kv, layer, qa.block_table, lo, hi);
@@ -529,7 +525,7 @@ pub(crate) fn run_heads<'q>(
             let end = heads.end.min((g + 1) * group).min(h + decode::MAX_GROUP);
             let ng = end - h;
             let off = g * hd;
-            let rows = (job.qa.block_table.as_ptr() as usize, off);
+            let rows = (job.qa.seq as usize, off);
             let cold = *last != Some(rows);
             *last = Some(rows);
             let fresh = job.fresh.map(|(g0, k, v)| {

@@ -300,6 +300,7 @@ pub(crate) mod tests {
                             scale: if extras { 1.0 } else { 0.125 },
                         };
                         let queries = [AttnQuery {
+                            seq: 0,
                             block_table: &table,
                             pos: pos as u32,
                             lo: if extras {

@@ -1,0 +1,142 @@
+//! A generation request: its prompt, parameters, and everything that turns logits into output —
+//! the sampler, the stop-string matcher and the UTF-8 stream decoder. The scheduler feeds it the
+//! logits after its sequence's last token; it answers with the token to append (or none: it is
+//! finished) and emits [`Event`]s. Invariants: text is emitted only once it is whole UTF-8 and
+//! cannot be the start of a stop string, a stop string itself is never emitted, and exactly one
+//! `Done` ends every request's events.
+
+use std::time::Instant;
+
+use crate::engine::generate::{GenParams, GenStats, StopReason, TokenLogprobs};
+use crate::engine::sampler::{log_softmax_top, Sampler};
+use crate::engine::stop::StopMatcher;
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+
+/// Identifies a request to its submitter.
+pub type RequestId = u64;
+
+/// What a request reports.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// A generated token and the text it releases (possibly empty).
+    Token {
+        id: u32,
+        text: String,
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// Text held back until the end (a partial stop string that never completed, an unfinished
+    /// UTF-8 sequence).
+    Tail(String),
+    /// The request is over; nothing follows.
+    Done(GenStats),
+    /// The request failed; nothing follows.
+    Error(String),
+}
+
+/// A request's prompt and settings.
+#[derive(Clone, Debug)]
+pub struct RequestSpec {
+    pub prompt: Vec<u32>,
+    pub params: GenParams,
+    /// `Some(n)`: each token carries its log-probability and the `n` most likely tokens.
+    pub logprobs: Option<usize>,
+}
+
+pub struct Request {
+    pub id: RequestId,
+    pub spec: RequestSpec,
+    sampler: Sampler,
+    stops: StopMatcher,
+    utf8: StreamDecoder,
+    generated: usize,
+    /// Prompt tokens found cached when first admitted.
+    pub reused: usize,
+    arrived: Instant,
+    first_token: Option<Instant>,
+}
+
+impl Request {
+    pub fn new(id: RequestId, spec: RequestSpec) -> Request {
+        Request {
+            id,
+            sampler: Sampler::new(spec.params.sampler.clone()),
+            stops: StopMatcher::new(spec.params.stop.clone()),
+            utf8: StreamDecoder::new(),
+            spec,
+            generated: 0,
+            reused: 0,
+            arrived: Instant::now(),
+            first_token: None,
+        }
+    }
+
+    pub fn generated(&self) -> usize {
+        self.generated
+    }
+
+    /// Takes the logits after the last token of `history` (prompt and generated tokens), samples
+    /// the next token and reports it. Returns the token to append to the sequence (none for an
+    /// end-of-generation token) and whether the request goes on; once it does not, its `Done` is
+    /// in `out`. `room` says whether the context has space for another token.
+    pub fn on_logits(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        tok: &Tokenizer,
+        room: bool,
+        out: &mut Vec<Event>,
+    ) -> (Option<u32>, bool) {
+        if self.generated >= self.spec.params.max_tokens {
+            self.finish(StopReason::Length, out);
+            return (None, false);
+        }
+        let id = self.sampler.sample(logits, history);
+        self.first_token.get_or_insert_with(Instant::now);
+        if tok.is_eog(id) && !self.spec.params.ignore_eos {
+            self.finish(StopReason::Eos, out);
+            return (None, false);
+        }
+        let logprobs = self.spec.logprobs.map(|n| {
+            let (logprob, top) = log_softmax_top(logits, id, n);
+            TokenLogprobs { logprob, top }
+        });
+        self.generated += 1;
+        let text = self.utf8.push(&tok.token_bytes(id));
+        let (text, hit) = self.stops.push(&text);
+        out.push(Event::Token { id, text, logprobs });
+        let reason = if hit {
+            StopReason::StopString
+        } else if self.generated >= self.spec.params.max_tokens {
+            StopReason::Length
+        } else if !room {
+            StopReason::ContextFull
+        } else {
+            return (Some(id), true);
+        };
+        self.finish(reason, out);
+        (Some(id), false)
+    }
+
+    /// Ends the request: releases held-back text (unless a stop string ended it) and reports
+    /// `Done`.
+    pub fn finish(&mut self, reason: StopReason, out: &mut Vec<Event>) {
+        if reason != StopReason::StopString {
+            let tail = self.utf8.flush();
+            let tail = self.stops.push(&tail).0 + &self.stops.finish();
+            if !tail.is_empty() {
+                out.push(Event::Tail(tail));
+            }
+        }
+        let now = Instant::now();
+        let first = self.first_token.unwrap_or(now);
+        let prompt = self.spec.prompt.len();
+        out.push(Event::Done(GenStats {
+            prompt_tokens: prompt - self.reused.min(prompt),
+            reused_tokens: self.reused.min(prompt),
+            generated_tokens: self.generated,
+            prompt_secs: (first - self.arrived).as_secs_f64(),
+            gen_secs: (now - first).as_secs_f64(),
+            stop: reason,
+        }));
+    }
+}
