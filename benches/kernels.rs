@@ -287,6 +287,15 @@ fn matrix_kernels(ty: GgmlType, d: &Data, budget: Duration, sdot: Duration) {
                 });
                 report(&format!("x8 matmul m{m}"), d, t, m, base(m));
             }
+            // The row-invariant flavour (batched decode rows): every row with the GEMV's arithmetic.
+            for m in [2, 4, 8] {
+                let (xq, mut out) = (acts(m), vec![0f32; m * rows]);
+                let t = best(budget, || {
+                    q4_k_x8::matmul(&pool, &packed, rows, COLS, &xq, m, false, &mut out);
+                    black_box(&out);
+                });
+                report(&format!("x8 row-invariant m{m}"), d, t, m, base(m));
+            }
             cold_gemv(&packed, rows, d, budget);
         }
         GgmlType::Q6K => {

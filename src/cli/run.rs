@@ -233,6 +233,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             json!({
                 "done": true,
                 "prompt_tokens": prompt.len(),
+                "cached_prompt_tokens": stats.reused_tokens,
                 "generated_tokens": stats.generated_tokens,
                 "prompt_tps": round2(stats.prompt_tps()),
                 "gen_tps": round2(stats.gen_tps()),

@@ -81,12 +81,17 @@ fn matmul_splits_rows_as_llamacpp() {
     let (rows, cols) = (24, 512);
     let nb = cols / 256;
     let pool = ThreadPool::new(2);
-    for n in [1, 3, 4, 7, 13] {
+    // Tails of two and three rows run as padded tiles of four (see `matmul`); with `gemm` off
+    // (row-invariant) every row is the GEMV flavour.
+    for (n, gemm) in [1, 2, 3, 4, 6, 7, 13]
+        .into_iter()
+        .flat_map(|n| [(n, true), (n, false)])
+    {
         let (w, a) = problem(rows, cols, n);
         let packed = pack(&pool, &w, rows, cols);
         let mut out = vec![0f32; n * rows];
-        matmul(&pool, &packed, rows, cols, &a, n, true, &mut out);
-        let gemm_rows = if n >= 4 { n - n % 4 } else { 0 };
+        matmul(&pool, &packed, rows, cols, &a, n, gemm, &mut out);
+        let gemm_rows = if gemm && n >= 4 { n - n % 4 } else { 0 };
         let a_row = nb * A_BYTES;
         for t in 0..n {
             for row in 0..rows {
