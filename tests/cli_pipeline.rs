@@ -388,7 +388,7 @@ fn batch_file_matches_single_runs() {
 
 /// `--batch-file --parallel 8` on the real Qwen2.5: eight different prompts at once give, line for
 /// line, what `infer run` gives each alone (the row-invariant decode rows and solo-shaped prefill
-/// chunks), and `--parallel 1` gives the same lines.
+/// chunks); `--parallel 1` and `--lookup 2` give the same lines.
 #[test]
 fn qwen_batch_file_parallel_equals_single_runs() {
     let _g = lock();
@@ -410,33 +410,27 @@ fn qwen_batch_file_parallel_equals_single_runs() {
     let file = dir.0.join("prompts.jsonl");
     std::fs::write(&file, body.join("\n")).unwrap();
     let m = model(QWEN).display().to_string();
-    let run = |parallel: &str| {
+    let run = |extra: &[&str]| {
         let f = file.to_str().unwrap();
-        let o = common::infer(
-            &[
-                "run",
-                "-m",
-                &m,
-                "--temp",
-                "0",
-                "--batch-file",
-                f,
-                "--parallel",
-                parallel,
-            ],
-            None,
-        );
+        let args = [
+            &["run", "-m", &m, "--temp", "0", "--batch-file", f][..],
+            extra,
+        ]
+        .concat();
+        let o = common::infer(&args, None);
         assert!(o.status.success(), "{}", stderr(&o));
         json_lines(&stdout(&o))
     };
-    let eight = run("8");
+    let eight = run(&["--parallel", "8"]);
     assert_eq!(eight.len(), prompts.len());
     for (i, (r, p)) in eight.iter().zip(&prompts).enumerate() {
         let alone = ok(&["run", "-m", &m, "-p", p, "-n", "24", "--temp", "0"]);
         assert_eq!(r["index"].as_u64(), Some(i as u64));
         assert_eq!(r["text"].as_str(), Some(alone.as_str()), "request {i}");
     }
-    assert_eq!(run("1"), eight);
+    assert_eq!(run(&["--parallel", "1"]), eight);
+    // Prompt-lookup drafts verified as rows of the same batch change nothing.
+    assert_eq!(run(&["--lookup", "2"]), eight);
 }
 
 #[test]

@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 
 use infer::engine::generate::{generate, GenParams, GenStats, StopReason};
 use infer::engine::load::{load_cpu, open_tokenizer, LoadOptions};
-use infer::engine::request::{Event, RequestId, RequestSpec};
+use infer::engine::request::{Event, LookupSpec, RequestId, RequestSpec};
 use infer::engine::runner::{Runner, Sequence};
 use infer::engine::sampler::SamplerConfig;
 use infer::engine::scheduler::{Scheduler, SchedulerConfig};
@@ -42,6 +42,7 @@ fn spec(prompt: Vec<u32>, max_tokens: usize) -> RequestSpec {
         prompt,
         params: greedy(max_tokens),
         logprobs: None,
+        lookup: None,
     }
 }
 
@@ -412,5 +413,39 @@ fn qwen_eight_different_prompts_at_once_equal_each_alone() {
     let (got, sched) = run_all(&mut runner, &tok, &specs, SchedulerConfig::default());
     same_as_alone(&got, &want);
     assert!(sched.stats().decode_rows >= 8 * 20);
+    whole(&runner);
+}
+
+#[test]
+fn lookup_drafts_verified_in_the_batch_change_no_output() {
+    let (tok, mut runner) = tiny(4096);
+    // Prompts that repeat themselves, so the n-gram drafter finds something to propose.
+    // Half greedy, half sampled (seeded); no two share a prompt block (see the prefix cache).
+    let specs: Vec<RequestSpec> = prompts(&[12, 20, 7, 30, 15, 9, 24, 11], 512, 10)
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut s = spec([p.clone(), p.clone(), p].concat(), 40);
+            s.lookup = Some(LookupSpec {
+                ngram: 3,
+                draft_max: 8,
+            });
+            if i % 2 == 1 {
+                s.params.sampler.temperature = 0.9;
+                s.params.sampler.seed = 7 + i as u64;
+            }
+            s
+        })
+        .collect();
+    // The truth: each request alone, plain decoding (no drafts).
+    let want = alone_tiny(&specs);
+    let (got, sched) = run_all(&mut runner, &tok, &specs, SchedulerConfig::default());
+    same_as_alone(&got, &want);
+    let st = sched.stats();
+    assert!(st.drafted > 0 && st.accepted > 0, "{st:?}");
+    assert!(
+        st.decode_rows > st.steps,
+        "draft rows rode in the decode forwards"
+    );
     whole(&runner);
 }

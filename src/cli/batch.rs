@@ -31,7 +31,7 @@ use crate::cli::load::Loaded;
 use crate::cli::run::{cancel_flag, load_model_for, prompt_tokens};
 use crate::cli::{note, progress, UsageError};
 use infer::engine::generate::{GenParams, StopReason};
-use infer::engine::request::{Event, RequestId, RequestSpec};
+use infer::engine::request::{Event, LookupSpec, RequestId, RequestSpec};
 use infer::engine::sampler::SamplerConfig;
 use infer::engine::scheduler::{Scheduler, SchedulerConfig};
 
@@ -133,6 +133,10 @@ fn spec_for(
         prompt,
         params,
         logprobs: None,
+        lookup: (a.spec.lookup > 0).then_some(LookupSpec {
+            ngram: a.spec.lookup,
+            draft_max: a.spec.draft_max as usize,
+        }),
     })
 }
 
@@ -245,6 +249,15 @@ pub fn batch(a: RunArgs) -> Result<()> {
         cache.reused_tokens,
         if secs > 0.0 { n_gen as f64 / secs } else { 0.0 }
     );
+    let st = sched.stats();
+    if st.drafted > 0 {
+        note!(
+            "infer: lookup drafted {} tokens, accepted {} ({:.0}%)",
+            st.drafted,
+            st.accepted,
+            100.0 * st.accepted as f64 / st.drafted as f64
+        );
+    }
     if cancelled {
         anyhow::bail!(
             "interrupted: {} of {n} requests done",

@@ -98,6 +98,7 @@ fn run_requests(
         prompt: p.clone(),
         params: params.clone(),
         logprobs: None,
+        lookup: None,
     };
     let mut sched = Scheduler::new(SchedulerConfig {
         max_running: prompts.len(),

@@ -169,6 +169,7 @@ impl Session {
             prompt: tokens,
             params: self.params.clone(),
             logprobs: None,
+            lookup: None,
         };
         let result = run_one(
             &mut self.runner,

@@ -202,6 +202,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             prompt: prompt.clone(),
             params,
             logprobs: a.logprobs,
+            lookup: None,
         };
         run_one(
             &mut runner,

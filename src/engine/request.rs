@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use crate::engine::generate::{GenParams, GenStats, StopReason, TokenLogprobs};
 use crate::engine::sampler::{log_softmax_top, Sampler};
+use crate::engine::speculative::PromptLookup;
 use crate::engine::stop::StopMatcher;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
@@ -40,6 +41,49 @@ pub struct RequestSpec {
     pub params: GenParams,
     /// `Some(n)`: each token carries its log-probability and the `n` most likely tokens.
     pub logprobs: Option<usize>,
+    /// Prompt-lookup speculation: n-grams up to `ngram`, drafts of up to `draft_max` tokens,
+    /// verified as more rows of the scheduler's batch. The output is unchanged by it.
+    pub lookup: Option<LookupSpec>,
+}
+
+/// See [`RequestSpec::lookup`].
+#[derive(Clone, Copy, Debug)]
+pub struct LookupSpec {
+    pub ngram: usize,
+    pub draft_max: usize,
+}
+
+/// A request's prompt-lookup drafter and its counters.
+pub struct Lookup {
+    drafter: PromptLookup,
+    /// The next draft's length: grows by two on full acceptance, else drops to what was
+    /// accepted plus one (as [`crate::engine::speculative`] adapts it).
+    k: usize,
+    max: usize,
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+impl Lookup {
+    /// Up to `room` tokens to verify after `history` (empty when no n-gram recurs).
+    pub fn draft(&mut self, history: &[u32], room: usize) -> Vec<u32> {
+        let n = self.k.min(room);
+        if n == 0 {
+            return Vec::new();
+        }
+        self.drafter.draft(history, n)
+    }
+
+    /// Records how many of `drafted` tokens the target kept.
+    pub fn verdict(&mut self, drafted: usize, accepted: usize) {
+        self.drafted += drafted;
+        self.accepted += accepted;
+        self.k = if accepted == drafted {
+            (self.k + 2).min(self.max)
+        } else {
+            (accepted + 1).clamp(1, self.max)
+        };
+    }
 }
 
 pub struct Request {
@@ -53,6 +97,7 @@ pub struct Request {
     pub reused: usize,
     arrived: Instant,
     first_token: Option<Instant>,
+    pub lookup: Option<Lookup>,
 }
 
 impl Request {
@@ -62,6 +107,13 @@ impl Request {
             sampler: Sampler::new(spec.params.sampler.clone()),
             stops: StopMatcher::new(spec.params.stop.clone()),
             utf8: StreamDecoder::new(),
+            lookup: spec.lookup.map(|l| Lookup {
+                drafter: PromptLookup::new(l.ngram),
+                k: l.draft_max.clamp(1, 4),
+                max: l.draft_max.max(1),
+                drafted: 0,
+                accepted: 0,
+            }),
             spec,
             generated: 0,
             reused: 0,

@@ -148,10 +148,17 @@ impl<B: Backend> Runner<B> {
     }
 
     /// One forward over several sequences: each one's uncached tokens (usually one) are rows of
-    /// the same batch, and each gets its last token's logits, in order. With `invariant`, every
-    /// row is computed with the arithmetic a one-row forward uses, so a sequence's results do not
-    /// depend on what else is in the batch. Takes nothing when the pool cannot hold every row.
-    pub fn step(&mut self, seqs: &mut [&mut Sequence], invariant: bool) -> Result<Vec<Vec<f32>>> {
+    /// the same batch. Sequence `i` gets the logits of its positions from `logits_from[i]` on
+    /// (its last position's at least), in order. With `invariant`, every row is computed with the
+    /// arithmetic a one-row forward uses, so a sequence's results do not depend on what else is in
+    /// the batch. Takes nothing when the pool cannot hold every row.
+    pub fn step(
+        &mut self,
+        seqs: &mut [&mut Sequence],
+        logits_from: &[usize],
+        invariant: bool,
+    ) -> Result<Vec<Vec<Vec<f32>>>> {
+        assert_eq!(seqs.len(), logits_from.len(), "a logits start per sequence");
         let bs = BLOCK_SIZE;
         let need: usize = seqs
             .iter()
@@ -171,14 +178,15 @@ impl<B: Backend> Runner<B> {
         }
         let batch: Vec<BatchEntry<'_>> = seqs
             .iter()
-            .flat_map(|s| {
+            .zip(logits_from)
+            .flat_map(|(s, &from)| {
                 let end = s.tokens.len();
                 (s.n_cached..end).map(move |pos| BatchEntry {
                     token: s.tokens[pos],
                     pos: pos as u32,
                     seq: s.id,
                     block_table: s.blocks.blocks(),
-                    logits: pos + 1 == end,
+                    logits: pos >= from || pos + 1 == end,
                 })
             })
             .collect();
@@ -186,12 +194,16 @@ impl<B: Backend> Runner<B> {
         be.set_row_invariant(invariant);
         let out = self.model.forward(&mut self.kv, &batch);
         be.set_row_invariant(false);
-        let out = out?;
-        for s in seqs.iter_mut() {
-            s.n_cached = s.tokens.len();
-            s.blocks.register_full(&s.tokens, s.n_cached);
+        let mut out = out?.into_iter();
+        let mut per_seq = Vec::with_capacity(seqs.len());
+        for (s, &from) in seqs.iter_mut().zip(logits_from) {
+            let end = s.tokens.len();
+            let n = end - from.clamp(s.n_cached, end - 1);
+            per_seq.push(out.by_ref().take(n).collect());
+            s.n_cached = end;
+            s.blocks.register_full(&s.tokens, end);
         }
-        Ok(out)
+        Ok(per_seq)
     }
 
     /// Early exit for self-speculative drafting: runs `seq.tokens[from..]` through the first

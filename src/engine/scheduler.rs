@@ -76,8 +76,12 @@ impl Slot {
 pub struct SchedulerStats {
     pub steps: u64,
     pub preemptions: u64,
+    /// Rows of the decode forwards (one per request a step, plus draft rows).
     pub decode_rows: u64,
     pub prefill_tokens: u64,
+    /// Prompt-lookup tokens drafted and kept.
+    pub drafted: u64,
+    pub accepted: u64,
 }
 
 #[derive(Default)]
@@ -312,8 +316,9 @@ impl Scheduler {
         tok: &Tokenizer,
         out: &mut Vec<(RequestId, Event)>,
     ) -> Result<()> {
+        let mut need;
         loop {
-            let need: usize = self
+            need = self
                 .running
                 .iter()
                 .filter(|s| !s.prefilling())
@@ -324,7 +329,7 @@ impl Scheduler {
                         .div_ceil(BLOCK_SIZE)
                         .saturating_sub(s.seq.blocks.len())
                 })
-                .sum();
+                .sum::<usize>();
             if need == 0 || runner.pool().can_allocate(need) {
                 break;
             }
@@ -332,7 +337,7 @@ impl Scheduler {
                 break;
             }
         }
-        let n_ctx = self.seq_len(runner);
+        let seq_len = self.seq_len(runner);
         let mut rows: Vec<&mut Slot> = self
             .running
             .iter_mut()
@@ -341,17 +346,72 @@ impl Scheduler {
         if rows.is_empty() {
             return Ok(());
         }
+        // Prompt-lookup drafts ride along as more rows of their sequence, where the pool has room.
+        let mut spare = runner.pool().n_available().saturating_sub(need);
+        let mut drafts = Vec::with_capacity(rows.len());
+        for s in rows.iter_mut() {
+            let base = s.seq.tokens.len();
+            let room = (s.req.spec.params.max_tokens)
+                .saturating_sub(s.req.generated() + 1)
+                .min(seq_len.saturating_sub(base + 1));
+            let mut d = match &mut s.req.lookup {
+                Some(l) => l.draft(&s.seq.tokens, room),
+                None => Vec::new(),
+            };
+            let held = s.seq.blocks.len().max(base.div_ceil(BLOCK_SIZE));
+            let extra = (base + d.len()).div_ceil(BLOCK_SIZE).saturating_sub(held);
+            if extra > spare {
+                d.clear();
+            } else {
+                spare -= extra;
+            }
+            s.seq.tokens.extend_from_slice(&d);
+            drafts.push(d);
+        }
+        // Logits from the last chosen token on: one row, or one per draft plus one.
+        let from: Vec<usize> = rows
+            .iter()
+            .zip(&drafts)
+            .map(|(s, d)| s.seq.tokens.len() - d.len() - 1)
+            .collect();
         let logits = {
             let mut seqs: Vec<&mut Sequence> = rows.iter_mut().map(|s| &mut s.seq).collect();
-            self.stats.decode_rows += seqs.len() as u64;
-            runner.step(&mut seqs, true)?
+            self.stats.decode_rows += seqs
+                .iter()
+                .map(|s| s.tokens.len() - s.n_cached)
+                .sum::<usize>() as u64;
+            runner.step(&mut seqs, &from, true)?
         };
         let mut done = Vec::new();
-        for (s, l) in rows.iter_mut().zip(logits) {
-            if !self::feed(s, &l, tok, n_ctx, out) {
+        for ((s, rows), d) in rows.iter_mut().zip(logits).zip(drafts) {
+            let base = s.seq.tokens.len() - d.len();
+            let (mut accepted, mut alive) = (0, true);
+            for (j, l) in rows.iter().enumerate() {
+                // The rows verify the drafts in order: a draft stays if the request's own
+                // sampler picks it after the tokens before it, as plain decoding would.
+                s.seq.tokens.truncate(base + j);
+                alive = feed(s, l, tok, seq_len, out);
+                let kept = j < d.len() && s.seq.tokens.get(base + j) == Some(&d[j]);
+                if !alive || !kept {
+                    break;
+                }
+                accepted += 1;
+            }
+            // K/V hold the chosen token and the kept drafts; the token after them is new.
+            let next = s.seq.tokens.get(base + accepted).copied();
+            runner.truncate(&mut s.seq, base + accepted);
+            s.seq.tokens.extend(next);
+            if !alive {
                 done.push(s.req.id);
             }
-            runner.recycle(l);
+            if let Some(l) = &mut s.req.lookup {
+                if !d.is_empty() {
+                    l.verdict(d.len(), accepted);
+                    self.stats.drafted += d.len() as u64;
+                    self.stats.accepted += accepted as u64;
+                }
+            }
+            rows.into_iter().for_each(|l| runner.recycle(l));
         }
         for s in extract(&mut self.running, |s| done.contains(&s.req.id)) {
             self.retire(s);
