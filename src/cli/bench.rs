@@ -60,6 +60,16 @@ impl Summary {
     }
 }
 
+/// A usage error when the test needs `ctx` positions and a sequence holds `n_ctx`.
+pub(crate) fn fits(n_ctx: usize, ctx: usize, what: &str) -> Result<(), UsageError> {
+    if n_ctx < ctx {
+        return Err(UsageError(format!(
+            "{what} = {ctx} exceeds the model's context of {n_ctx}"
+        )));
+    }
+    Ok(())
+}
+
 pub fn bench(a: BenchArgs) -> Result<()> {
     if a.reps == 0 {
         return Err(UsageError("-r/--reps must be at least 1".into()).into());
@@ -75,13 +85,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let ctx = a.depth + n_prompt.max(a.n_gen).max(5) + 1;
     let loaded = load(&a.model, Some(ctx))?;
     let mut runner = loaded.runner;
-    if runner.n_ctx() < ctx {
-        return Err(UsageError(format!(
-            "depth + tokens = {ctx} exceeds the model's context of {}",
-            runner.n_ctx()
-        ))
-        .into());
-    }
+    fits(runner.n_ctx(), ctx, "depth + tokens")?;
     let vocab = runner.vocab_size();
     let weight_bytes = bytes_per_token(&loaded.gguf);
     let bpt = weight_bytes as f64;

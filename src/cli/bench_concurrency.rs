@@ -17,7 +17,7 @@ use serde_json::json;
 
 use crate::cli::args::BenchArgs;
 use crate::cli::load::load_for;
-use crate::cli::{note, UsageError};
+use crate::cli::note;
 use infer::engine::generate::GenParams;
 use infer::engine::request::{Event, RequestSpec};
 use infer::engine::runner::Runner;
@@ -153,13 +153,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let n_seq = most.max(if shared > 0 { SHARED_REQUESTS } else { 1 });
     let loaded = load_for(&a.model, Some(ctx), n_seq)?;
     let mut runner = loaded.runner;
-    if runner.n_ctx() < ctx {
-        return Err(UsageError(format!(
-            "prompt + tokens = {ctx} exceeds the model's context of {}",
-            runner.n_ctx()
-        ))
-        .into());
-    }
+    crate::cli::bench::fits(runner.n_ctx(), ctx, "prompt + tokens")?;
     let tok = loaded.tokenizer;
     let vocab = runner.vocab_size();
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
