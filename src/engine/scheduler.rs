@@ -13,6 +13,9 @@
 //!   in the same chunks, so its output is unchanged. A request that cannot fit the whole pool
 //!   fails with an error; nothing else does.
 //! - A cancelled request ends (`Interrupted`) at the next step and its blocks return at once.
+//! - A request shares K/V computed by another only when they have at least a whole block of
+//!   prompt in common (the prefix cache, or a running sequence's blocks past it); a request that
+//!   shares no block with any other is computed exactly as it would be alone.
 //! - Every submitted request gets exactly one `Done` or `Error`, in `step`'s output.
 
 use std::collections::{HashSet, VecDeque};
@@ -445,12 +448,44 @@ impl Scheduler {
             if s.fresh {
                 // Requests ahead of it may have cached more of its prompt since it was admitted.
                 let prompt = s.req.spec.prompt.clone();
-                let reused = runner.reuse_prefix(&mut s.seq, &prompt);
+                let mut reused = runner.reuse_prefix(&mut s.seq, &prompt);
+                // A running sequence may hold more of it, past the last full block: share its
+                // blocks up to there (the partly shared block is copied on the first write).
+                // Only past a whole block in common: below that the request shares nothing,
+                // so its numerics stay a lone run's (see the module invariants).
+                let limit = prompt.len() - 1;
+                let best = self
+                    .running
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, _)| j != i)
+                    .map(|(j, o)| {
+                        let held = &o.seq.tokens[..o.seq.n_cached];
+                        (
+                            j,
+                            held.iter().zip(&prompt).take_while(|(a, b)| a == b).count(),
+                        )
+                    })
+                    .max_by_key(|&(_, n)| n);
+                if let Some((j, n)) =
+                    best.filter(|&(_, n)| n >= BLOCK_SIZE && n.min(limit) > reused)
+                {
+                    let n = n.min(limit);
+                    let mut table = self.running[j].seq.blocks.share();
+                    table.truncate(n);
+                    let s = &mut self.running[i];
+                    s.seq.blocks = table;
+                    s.seq.tokens = prompt.clone();
+                    s.seq.n_cached = n;
+                    reused = n;
+                }
+                let s = &mut self.running[i];
                 runner.pool().count(reused, prompt.len() - reused);
                 s.req.reused = reused;
                 s.origin = reused;
                 s.fresh = false;
             }
+            let s = &mut self.running[i];
             let end = s.prompt_len();
             let stop = (s.seq.n_cached + PREFILL_CHUNK).min(end);
             if !first && stop - s.seq.n_cached > budget {
