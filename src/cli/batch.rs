@@ -7,9 +7,9 @@
 //! Unknown fields are errors, so that a misspelt `max_token` does not silently run 256 tokens.
 //!
 //! One JSON line per request goes to stdout, in input order, as soon as the request is done:
-//! `{"index","text","prompt_tokens","generated_tokens","stop"}`, or `{"index","line","error"}` for
-//! a line that is not a valid request or a request that failed; the others still run, and the exit
-//! code is then 1. `index` counts requests (non-blank lines) from 0, `line` counts file lines from 1.
+//! `{"index","text","prompt_tokens","cached_prompt_tokens","generated_tokens","stop"}`, or
+//! `{"index","line","error"}` for a line that is not a valid request or a request that failed; the
+//! others still run, and the exit code is then 1. `index` counts requests (non-blank lines) from 0, `line` counts file lines from 1.
 //!
 //! Up to `--parallel N` requests (default 8) run at once through the scheduler, with continuous
 //! batching: a request's text is byte-identical to running it alone (`infer run`), because
@@ -116,6 +116,8 @@ fn params_for(
 struct Outcome {
     text: String,
     prompt_tokens: usize,
+    /// Prompt tokens found cached (not computed).
+    cached_tokens: usize,
     generated_tokens: usize,
     stop: StopReason,
 }
@@ -194,6 +196,7 @@ pub fn batch(a: RunArgs) -> Result<()> {
                         "index": next,
                         "text": o.text,
                         "prompt_tokens": o.prompt_tokens,
+                        "cached_prompt_tokens": o.cached_tokens,
                         "generated_tokens": o.generated_tokens,
                         "stop": o.stop.as_str(),
                     })
@@ -232,6 +235,7 @@ pub fn batch(a: RunArgs) -> Result<()> {
                     results[i] = Some(Ok(Outcome {
                         text: std::mem::take(&mut texts[i]),
                         prompt_tokens: prompt_lens[i],
+                        cached_tokens: stats.reused_tokens,
                         generated_tokens: stats.generated_tokens,
                         stop: stats.stop,
                     }))
