@@ -23,9 +23,9 @@ use anyhow::{bail, Result};
 
 /// The chained hash of a full block: its parent's hash and its token ids.
 pub fn block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
-    // SipHash with fixed keys: deterministic across runs and processes.
-    #[allow(deprecated)]
-    let mut h = std::hash::SipHasher::new_with_keys(0x0069_6e66_6572, 0x006b_7663_6163_6865);
+    // `DefaultHasher::new()` is the same hash for every instance of a process, which is all a
+    // cache in memory needs.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
     parent.hash(&mut h);
     tokens.hash(&mut h);
     h.finish()

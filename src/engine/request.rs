@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use crate::engine::generate::{GenParams, GenStats, StopReason, TokenLogprobs};
 use crate::engine::sampler::{log_softmax_top, Sampler};
-use crate::engine::speculative::PromptLookup;
+use crate::engine::speculative::{next_draft_len, PromptLookup};
 use crate::engine::stop::StopMatcher;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
@@ -56,8 +56,7 @@ pub struct LookupSpec {
 /// A request's prompt-lookup drafter and its counters.
 pub struct Lookup {
     drafter: PromptLookup,
-    /// The next draft's length: grows by two on full acceptance, else drops to what was
-    /// accepted plus one (as [`crate::engine::speculative`] adapts it).
+    /// The next draft's length ([`next_draft_len`], as `engine::speculative` adapts it).
     k: usize,
     max: usize,
     pub drafted: usize,
@@ -78,11 +77,7 @@ impl Lookup {
     pub fn verdict(&mut self, drafted: usize, accepted: usize) {
         self.drafted += drafted;
         self.accepted += accepted;
-        self.k = if accepted == drafted {
-            (self.k + 2).min(self.max)
-        } else {
-            (accepted + 1).clamp(1, self.max)
-        };
+        self.k = next_draft_len(self.k, drafted, accepted, self.max);
     }
 }
 

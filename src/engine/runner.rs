@@ -118,9 +118,8 @@ impl<B: Backend> Runner<B> {
         seq: &mut Sequence,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Vec<f32>> {
-        let n = seq.tokens.len();
         let end = seq.tokens.len();
-        self.compute_with(seq, end, |i| i + 1 == n, progress)
+        self.compute_with(seq, end, |i| i + 1 == end, progress)
             .map(|mut l| l.pop().expect("last row always has logits"))
     }
 

@@ -400,10 +400,12 @@ impl Scheduler {
                 }
                 accepted += 1;
             }
-            // K/V hold the chosen token and the kept drafts; the token after them is new.
-            let next = s.seq.tokens.get(base + accepted).copied();
-            runner.truncate(&mut s.seq, base + accepted);
-            s.seq.tokens.extend(next);
+            if !d.is_empty() {
+                // K/V hold the chosen token and the kept drafts; the token after them is new.
+                let next = s.seq.tokens.get(base + accepted).copied();
+                runner.truncate(&mut s.seq, base + accepted);
+                s.seq.tokens.extend(next);
+            }
             if !alive {
                 done.push(s.req.id);
             }

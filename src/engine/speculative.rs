@@ -28,6 +28,16 @@ pub use draft::{check_vocab, DraftModel};
 use draft::{draft_sampler, self_draft, Draft};
 pub use lookup::PromptLookup;
 
+/// The draft length after a verdict: two longer when all `drafted` tokens were kept, else what was
+/// kept plus one, within `1..=max`.
+pub fn next_draft_len(k: usize, drafted: usize, accepted: usize, max: usize) -> usize {
+    if accepted == drafted {
+        (k + 2).min(max)
+    } else {
+        (accepted + 1).clamp(1, max)
+    }
+}
+
 /// While plain decoding is cheaper, one step in this many still drafts (see `next_k`).
 pub const EXPLORE: usize = 16;
 
@@ -236,11 +246,7 @@ impl Speculator {
         // The token after the accepted drafts is output only if there is room left for it.
         self.stats.produced += accepted + usize::from(accepted < room);
         self.cost.record_verdict(n, accepted);
-        self.k = if accepted == n {
-            (self.k + 2).min(self.draft_max)
-        } else {
-            (accepted + 1).clamp(1, self.draft_max)
-        };
+        self.k = next_draft_len(self.k, n, accepted, self.draft_max);
         rows.truncate(accepted + 1);
         let mut rows = rows.into_iter();
         let first = rows.next().expect("the chosen token's row");
