@@ -111,6 +111,8 @@ fn config(seed: u64) -> SamplerConfig {
         min_p: 0.0,
         repeat_penalty: 1.3,
         repeat_last_n: 8,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
         seed,
     }
 }
@@ -260,6 +262,8 @@ fn engine_config(seed: u64) -> SamplerConfig {
         min_p: 0.0,
         repeat_penalty: 1.0,
         repeat_last_n: 0,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
         seed,
     }
 }

@@ -178,6 +178,22 @@ pub struct SamplingArgs {
     /// Penalize tokens seen in the last 64 (1 = off)
     #[arg(long, default_value_t = 1.0)]
     pub repeat_penalty: f32,
+    /// Subtract F from tokens seen in the last 64, once each (0 = off, -2..2)
+    #[arg(
+        long,
+        value_name = "F",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
+    pub presence_penalty: f32,
+    /// Subtract F per occurrence from tokens seen in the last 64 (0 = off, -2..2)
+    #[arg(
+        long,
+        value_name = "F",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
+    pub frequency_penalty: f32,
     /// Random seed (default: from the clock)
     #[arg(long)]
     pub seed: Option<u64>,
@@ -192,12 +208,23 @@ impl SamplingArgs {
         if !(0.0..=1.0).contains(&self.top_p) || !(0.0..=1.0).contains(&self.min_p) {
             return Err(UsageError("--top-p and --min-p must be within 0..1".into()));
         }
+        for (flag, v) in [
+            ("--presence-penalty", self.presence_penalty),
+            ("--frequency-penalty", self.frequency_penalty),
+        ] {
+            // Also rejects NaN and infinities.
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(UsageError(format!("{flag} must be within -2..2, got {v}")));
+            }
+        }
         Ok(SamplerConfig {
             temperature: self.temp,
             top_k: self.top_k,
             top_p: self.top_p,
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
             seed: self.seed.unwrap_or_else(SamplerConfig::entropy_seed),
             ..SamplerConfig::default()
         })

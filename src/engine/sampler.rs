@@ -1,4 +1,5 @@
-//! Token sampling: repetition penalty, top-k, top-p, min-p, temperature and the seeded draw.
+//! Token sampling: repetition, frequency and presence penalties, top-k, top-p, min-p,
+//! temperature and the seeded draw.
 //!
 //! Owns the sampler chain and its random state. The chain follows llama.cpp's default order and
 //! definitions: penalties → top-k → (typical: off) → top-p → min-p → temperature → dist, so
@@ -27,8 +28,16 @@ pub struct SamplerConfig {
     pub min_p: f32,
     /// Divide positive / multiply negative logits of recently seen tokens; 1.0 = off.
     pub repeat_penalty: f32,
-    /// How many of the most recent history tokens the penalty looks at; 0 = off.
+    /// How many of the most recent history tokens the penalties (repeat, frequency and
+    /// presence) look at; 0 = off.
     pub repeat_last_n: usize,
+    /// OpenAI-style presence penalty: subtracted once from the logit of every token that occurs
+    /// in the penalty window (after the repeat penalty); 0.0 = off. Valid range [-2, 2].
+    pub presence_penalty: f32,
+    /// OpenAI-style frequency penalty: subtracted `count` times from the logit of a token that
+    /// occurs `count` times in the penalty window (after the repeat penalty); 0.0 = off. Valid
+    /// range [-2, 2].
+    pub frequency_penalty: f32,
     /// RNG seed; the same seed, config and inputs give the same tokens.
     pub seed: u64,
 }
@@ -42,6 +51,8 @@ impl Default for SamplerConfig {
             min_p: 0.05,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0x5eed,
         }
     }
@@ -162,7 +173,7 @@ fn exp_neg(x: f32) -> f32 {
 struct Scratch {
     /// Penalised, sanitised logits (one per vocabulary entry).
     work: Vec<f32>,
-    /// Distinct ids of the penalty window.
+    /// The penalty window's ids, sorted (runs of equal ids give the counts).
     recent: Vec<u32>,
     /// Surviving candidates.
     cands: Vec<Cand>,
@@ -386,24 +397,32 @@ fn run_chain(cfg: &SamplerConfig, logits: &[f32], history: &[u32], s: &mut Scrat
     assert!(!logits.is_empty(), "sampler: empty logits");
     let n_vocab = logits.len();
 
-    // Penalties (llama.cpp's repetition penalty; frequency/presence penalties are not offered).
+    // Penalties, as llama.cpp's `penalties` sampler (`llama_sampler_penalties_apply`): for each
+    // id occurring `count > 0` times in the last `repeat_last_n` history tokens, first the
+    // repetition penalty (once, whatever the count), then
+    // `logit -= count * frequency_penalty + presence_penalty`.
     s.work.clear();
     s.work.extend(logits.iter().map(|&x| sanitize(x)));
-    if cfg.repeat_penalty != 1.0 && cfg.repeat_last_n > 0 {
+    let penalised =
+        cfg.repeat_penalty != 1.0 || cfg.frequency_penalty != 0.0 || cfg.presence_penalty != 0.0;
+    if penalised && cfg.repeat_last_n > 0 {
         let window = &history[history.len().saturating_sub(cfg.repeat_last_n)..];
         s.recent.clear();
         s.recent.extend_from_slice(window);
         s.recent.sort_unstable();
-        s.recent.dedup();
-        for &id in &s.recent {
-            if let Some(l) = s.work.get_mut(id as usize) {
-                let v = if *l <= 0.0 {
-                    *l * cfg.repeat_penalty
-                } else {
-                    *l / cfg.repeat_penalty
-                };
-                *l = sanitize(v);
+        for run in s.recent.chunk_by(|a, b| a == b) {
+            let Some(l) = s.work.get_mut(run[0] as usize) else {
+                continue;
+            };
+            let mut v = if *l <= 0.0 {
+                *l * cfg.repeat_penalty
+            } else {
+                *l / cfg.repeat_penalty
+            };
+            if cfg.frequency_penalty != 0.0 || cfg.presence_penalty != 0.0 {
+                v -= run.len() as f32 * cfg.frequency_penalty + cfg.presence_penalty;
             }
+            *l = sanitize(v);
         }
     }
 
@@ -504,7 +523,7 @@ impl Sampler {
     }
 
     /// Picks the next token from `logits` (one per vocabulary entry). `history` is every id so
-    /// far (prompt + generated), used by the repetition penalty. `temperature <= 0` is greedy.
+    /// far (prompt + generated), used by the penalties. `temperature <= 0` is greedy.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let max_logit = match run_chain(&self.cfg, logits, history, &mut self.scratch) {
             Chain::Greedy(id) => return id,
@@ -624,6 +643,8 @@ mod tests {
             min_p,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 1234,
         }
     }
@@ -649,6 +670,7 @@ mod tests {
             (0.8, 40, 0.95, 0.05)
         );
         assert_eq!((c.repeat_penalty, c.repeat_last_n), (1.0, 64));
+        assert_eq!((c.presence_penalty, c.frequency_penalty), (0.0, 0.0));
     }
 
     #[test]
@@ -1015,6 +1037,155 @@ mod tests {
         for (id, p) in d {
             assert!((f64::from(p) - want[id as usize]).abs() < 1e-6);
         }
+    }
+
+    /// The penalised logits `run_chain` leaves in `scratch.work`.
+    fn penalised(c: &SamplerConfig, l: &[f32], history: &[u32]) -> Vec<f32> {
+        let mut scratch = Scratch::default();
+        run_chain(c, l, history, &mut scratch);
+        scratch.work
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_subtract_count_and_presence() {
+        let l = [1.0f32, -1.0, 0.5, 2.0, -3.0, 4.0, 0.0, 1.5];
+        let mut c = cfg(1.0, 0, 1.0, 0.0);
+        c.frequency_penalty = 0.5;
+        c.presence_penalty = 0.25;
+        // Token 5 twice: 4 - (2 * 0.5 + 0.25) = 2.75; token 7 once: 1.5 - (0.5 + 0.25) = 0.75.
+        let want = [1.0f32, -1.0, 0.5, 2.0, -3.0, 2.75, 0.0, 0.75];
+        assert_eq!(penalised(&c, &l, &[5, 5, 7]), want);
+        // Only the last `repeat_last_n` tokens count: of [1, 5, 5, 5, 7] the last 3 are [5, 5, 7].
+        c.repeat_last_n = 3;
+        assert_eq!(penalised(&c, &l, &[1, 5, 5, 5, 7]), want);
+        // A count of 3: 4 - (3 * 0.5 + 0.25) = 2.25; id 1 (now in the window): -1 - 0.75.
+        c.repeat_last_n = 5;
+        assert_eq!(
+            penalised(&c, &l, &[1, 5, 5, 5, 7]),
+            [1.0, -1.75, 0.5, 2.0, -3.0, 2.25, 0.0, 0.75]
+        );
+        // Negative penalties raise the logits: 4 + (2 * 0.5 + 0.25), 1.5 + 0.75.
+        c.repeat_last_n = 64;
+        c.frequency_penalty = -0.5;
+        c.presence_penalty = -0.25;
+        assert_eq!(
+            penalised(&c, &l, &[5, 5, 7]),
+            [1.0, -1.0, 0.5, 2.0, -3.0, 5.25, 0.0, 2.25]
+        );
+        // `repeat_last_n = 0` turns every penalty off, as in llama.cpp.
+        c.repeat_last_n = 0;
+        assert_eq!(penalised(&c, &l, &[5, 5, 7]), l);
+        // Out-of-vocabulary ids are ignored; -inf - penalty stays clamped to f32::MIN.
+        c.repeat_last_n = 64;
+        c.frequency_penalty = 2.0;
+        c.presence_penalty = 2.0;
+        let w = penalised(&c, &[f32::NEG_INFINITY, 1.0], &[0, 0, 99]);
+        assert_eq!(w, [f32::MIN, 1.0]);
+    }
+
+    #[test]
+    fn repeat_penalty_applies_before_frequency_and_presence() {
+        // llama.cpp's order: logit / r (or * r if <= 0), then -= count * f + p.
+        let l = [3.0f32, -1.0, 2.0, 1.0];
+        let mut c = cfg(1.0, 0, 1.0, 0.0);
+        c.repeat_penalty = 2.0;
+        c.frequency_penalty = 0.5;
+        c.presence_penalty = 0.25;
+        // Subtracting first would give (3 - 1.25) / 2 = 0.875, (-1 - 0.75) * 2 = -3.5 and
+        // (1 - 0.75) / 2 = 0.125.
+        assert_eq!(
+            penalised(&c, &l, &[0, 1, 0, 3]),
+            [
+                0.25,  // twice in the window: 3 / 2 - (2 * 0.5 + 0.25)
+                -2.75, // -1 * 2 - (0.5 + 0.25)
+                2.0,   // not in the window
+                -0.25, // 1 / 2 - (0.5 + 0.25): the penalty flips the sign
+            ]
+        );
+        // Against an independent scalar reference on random inputs (bit-exact: same operations).
+        for (seed, rp, f, p, last_n) in [
+            (1u64, 1.3f32, 0.4f32, 0.7f32, 16usize),
+            (2, 1.0, -0.3, 1.1, 64),
+            (3, 0.8, 2.0, -2.0, 5),
+            (4, 1.7, 0.0, 0.5, 1000),
+        ] {
+            let n = 300;
+            let l = random_logits(n, seed);
+            let mut r = Rng::new(seed + 100);
+            // Ids from a small range so that many repeat; some beyond the vocabulary.
+            let history: Vec<u32> = (0..200).map(|_| (r.next_u64() % 40) as u32 * 8).collect();
+            let mut c = cfg(1.0, 0, 1.0, 0.0);
+            (c.repeat_penalty, c.frequency_penalty, c.presence_penalty) = (rp, f, p);
+            c.repeat_last_n = last_n;
+            let window = &history[history.len().saturating_sub(last_n)..];
+            let mut want = l.clone();
+            for (id, x) in want.iter_mut().enumerate() {
+                let count = window.iter().filter(|&&t| t as usize == id).count();
+                if count > 0 {
+                    *x = if *x <= 0.0 { *x * rp } else { *x / rp };
+                    *x -= count as f32 * f + p;
+                }
+            }
+            assert_eq!(penalised(&c, &l, &history), want, "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_change_the_greedy_pick() {
+        let l = [3.0f32, 2.0, 1.0];
+        let mut c = cfg(0.0, 0, 1.0, 0.0);
+        assert_eq!(Sampler::new(c.clone()).sample(&l, &[0, 2]), 0);
+        c.presence_penalty = 1.5;
+        // 3 - 1.5 = 1.5 < 2: token 1.
+        assert_eq!(Sampler::new(c.clone()).sample(&l, &[0, 2]), 1);
+        // Frequency counts occurrences: once, 3 - 0.6 = 2.4 keeps token 0; twice, 1.8 loses.
+        c.presence_penalty = 0.0;
+        c.frequency_penalty = 0.6;
+        assert_eq!(Sampler::new(c.clone()).sample(&l, &[0]), 0);
+        assert_eq!(Sampler::new(c.clone()).sample(&l, &[0, 0]), 1);
+        // And the sampled distribution follows the penalised logits.
+        c.temperature = 1.0;
+        let d = Sampler::new(c).distribution(&l, &[0, 0]);
+        let want = softmax(&[3.0 - 1.2, 2.0, 1.0]);
+        for (id, p) in d {
+            assert!((f64::from(p) - want[id as usize]).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn zero_frequency_and_presence_leave_logits_bit_identical() {
+        let mut l = random_logits(4096, 11);
+        l[0] = -0.0;
+        l[1] = 0.0;
+        l[2] = f32::MIN;
+        l[3] = f32::MAX;
+        let mut r = Rng::new(5);
+        let mut history: Vec<u32> = (0..300).map(|_| (r.next_u64() % 64) as u32).collect();
+        history.extend([0, 1, 2, 3, 0, 1]);
+        let same_bits = |got: &[f32], want: &[f32]| {
+            assert_eq!(got.len(), want.len());
+            let bad = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits());
+            assert!(
+                bad.is_none(),
+                "id {bad:?}: {got:?} vs {want:?}",
+                got = bad.map(|i| got[i]),
+                want = bad.map(|i| want[i])
+            );
+        };
+        let mut c = cfg(1.0, 0, 1.0, 0.0);
+        // Everything off: the logits pass through untouched.
+        same_bits(&penalised(&c, &l, &history), &l);
+        // Repeat penalty only: each distinct id in the window once, whatever its count.
+        c.repeat_penalty = 1.3;
+        let window = &history[history.len() - 64..];
+        let mut want = l.clone();
+        for (id, x) in want.iter_mut().enumerate() {
+            if window.contains(&(id as u32)) {
+                // f32::MIN * 1.3 overflows to -inf, which the sampler clamps back to f32::MIN.
+                *x = (if *x <= 0.0 { *x * 1.3 } else { *x / 1.3 }).max(f32::MIN);
+            }
+        }
+        same_bits(&penalised(&c, &l, &history), &want);
     }
 
     #[test]
