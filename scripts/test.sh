@@ -8,7 +8,8 @@
 # What it installs, each step idempotent:
 # - Python packages (scripts/test-requirements.txt): gguf-py and numpy, the independent GGUF reader
 #   and dequantizer the conversion tests check our files with; the NVRTC 12.4 wheels that compile
-#   the CUDA kernels (no GPU needed).
+#   the CUDA kernels (no GPU needed); the official openai client the server tests drive it with.
+# - Chromium (Debian's package, as root through apt-get), for the chat page test.
 # - The real models (scripts/fetch-models.sh: skipped when present with the right sha256).
 # Then it regenerates the CUDA kernels' PTX and cubins and fails on any difference with the
 # committed cuda/build/ or on a register spill, and runs `cargo test --release --locked`.
@@ -30,6 +31,18 @@ if ! "${pip[@]}" 2>/tmp/infer-pip.$$; then
     fi
 fi
 rm -f /tmp/infer-pip.$$
+
+step "chromium (the chat page test opens infer serve's page in it)"
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        (apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 ||
+            { apt-get update >/dev/null 2>&1 &&
+              apt-get install -y --no-install-recommends chromium >/dev/null; })
+    else
+        echo "chromium is missing: install Debian's chromium package (tests/server.rs needs it)" >&2
+        exit 1
+    fi
+fi
 
 step "models (scripts/fetch-models.sh)"
 scripts/fetch-models.sh

@@ -19,4 +19,5 @@ pub mod format;
 pub mod kernels;
 pub mod model;
 pub mod quant;
+pub mod server;
 pub mod tokenizer;

@@ -65,6 +65,33 @@ impl PromptFormat {
         }
     }
 
+    /// [`PromptFormat::render`] for OpenAI-style JSON messages (whose `content` is text) and tool
+    /// definitions; the fallback format prints each message's role and content only.
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        gen_prompt: bool,
+    ) -> Result<String> {
+        match &self.template {
+            Some(t) => t.render_json(messages, tools, gen_prompt),
+            None => {
+                let list: Vec<Message> = messages
+                    .as_array()
+                    .map(|a| {
+                        a.iter()
+                            .map(|m| {
+                                let s = |k: &str| m.get(k).and_then(|v| v.as_str()).unwrap_or("");
+                                Message::new(s("role"), s("content"))
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                Ok(fallback_render(&list, gen_prompt))
+            }
+        }
+    }
+
     /// Whether the tokens of `text` start with BOS: when `allow`ed, the model asks for it and the
     /// template did not already write the BOS text.
     pub fn wants_bos(&self, tok: &Tokenizer, text: &str, allow: bool) -> bool {

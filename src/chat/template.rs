@@ -119,6 +119,27 @@ impl ChatTemplate {
     /// Renders `messages`; `add_generation_prompt` appends the opening of an assistant turn.
     /// A template's `raise_exception(msg)` becomes an error whose text contains `msg`.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.render_value(Value::from(Serde(messages)), None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render`] for messages given as JSON (OpenAI's form: a message may carry
+    /// `tool_calls`, `tool_call_id`, `name`), with the tool definitions the template may print.
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let tools = tools.map(|t| Value::from(Serde(t)));
+        self.render_value(Value::from(Serde(messages)), tools, add_generation_prompt)
+    }
+
+    fn render_value(
+        &self,
+        messages: Value,
+        tools: Option<Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self
             .env
             .get_template(NAME)
@@ -128,8 +149,8 @@ impl ChatTemplate {
                 .map_or(Value::UNDEFINED, |s| Value::from(s.as_str()))
         };
         let ctx = minijinja::context! {
-            messages => Value::from(Serde(messages)),
-            tools => Value::from(()),
+            messages => messages,
+            tools => tools.unwrap_or(Value::from(())),
             documents => Value::from(()),
             add_generation_prompt => add_generation_prompt,
             bos_token => opt(&self.bos_token),

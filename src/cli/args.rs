@@ -53,6 +53,8 @@ pub enum Command {
     Tokenize(TokenizeArgs),
     /// Talk with a model: an interactive chat using its chat template
     Chat(ChatArgs),
+    /// Serve a model over HTTP: the OpenAI API (chat, completions, streaming) and a chat page
+    Serve(crate::cli::serve::ServeArgs),
     /// Measure prompt processing and generation speed, and memory bandwidth
     Bench(BenchArgs),
     /// List the known models (aliases for --model) and whether each is downloaded

@@ -14,6 +14,7 @@ mod progress;
 mod quantize;
 mod run;
 mod selftest;
+mod serve;
 mod tokenize;
 
 use std::process::ExitCode;
@@ -78,6 +79,7 @@ pub fn main() -> ExitCode {
     match &mut command {
         Command::Run(a) => a.model.device = device,
         Command::Chat(a) => a.model.device = device,
+        Command::Serve(a) => a.model.device = device,
         Command::Bench(a) => a.model.device = device,
         Command::Perplexity(a) => a.model.device = device,
         _ => {}
@@ -87,6 +89,7 @@ pub fn main() -> ExitCode {
         Command::Run(a) => run::run(a),
         Command::Tokenize(a) => tokenize::tokenize(a),
         Command::Chat(a) => chat::chat(a),
+        Command::Serve(a) => serve::serve(a),
         Command::Bench(a) => bench::bench(a),
         Command::Models => models::list(),
         Command::Quantize(a) => quantize::quantize(a),

@@ -119,18 +119,18 @@ impl<B: Backend> Runner<B> {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Vec<f32>> {
         let end = seq.tokens.len();
-        self.compute_with(seq, end, |i| i + 1 == end, progress)
+        self.compute_with(seq, end, |i| i + 1 == end, progress, true)
             .map(|mut l| l.pop().expect("last row always has logits"))
     }
 
     /// Computes the uncached tokens and returns logits for every one of them (speculative verification).
     pub fn compute_all(&mut self, seq: &mut Sequence) -> Result<Vec<Vec<f32>>> {
         let end = seq.tokens.len();
-        self.compute_with(seq, end, |_| true, &mut |_, _| {})
+        self.compute_with(seq, end, |_| true, &mut |_, _| {}, true)
     }
 
     /// Computes the next prefill chunk of `seq`: positions `n_cached` up to the next multiple of
-    /// [`PREFILL_CHUNK`] past `origin` (where its prefill started), at most `end`. Returns the last
+    /// `chunk` past `origin` (where its prefill started), at most `end`. Returns the last
     /// position's logits when the chunk reaches `end`. Chunk boundaries depend only on `origin`,
     /// so a prompt is computed in the same forward calls whatever else runs beside it.
     pub fn prefill_chunk(
@@ -138,11 +138,13 @@ impl<B: Backend> Runner<B> {
         seq: &mut Sequence,
         origin: usize,
         end: usize,
+        chunk: usize,
+        register: bool,
     ) -> Result<Option<Vec<f32>>> {
         let start = seq.n_cached;
-        debug_assert!(start >= origin && (start - origin).is_multiple_of(PREFILL_CHUNK));
-        let stop = (start + PREFILL_CHUNK).min(end);
-        let mut rows = self.compute_with(seq, stop, |i| i + 1 == end, &mut |_, _| {})?;
+        debug_assert!(start >= origin && (start - origin).is_multiple_of(chunk));
+        let stop = (start + chunk).min(end);
+        let mut rows = self.compute_with(seq, stop, |i| i + 1 == end, &mut |_, _| {}, register)?;
         Ok(rows.pop())
     }
 
@@ -150,12 +152,14 @@ impl<B: Backend> Runner<B> {
     /// the same batch. Sequence `i` gets the logits of its positions from `logits_from[i]` on
     /// (its last position's at least), in order. With `invariant`, every row is computed with the
     /// arithmetic a one-row forward uses, so a sequence's results do not depend on what else is in
-    /// the batch. Takes nothing when the pool cannot hold every row.
+    /// the batch. With `register`, blocks it fills go into the prefix cache. Takes nothing when
+    /// the pool cannot hold every row.
     pub fn step(
         &mut self,
         seqs: &mut [&mut Sequence],
         logits_from: &[usize],
         invariant: bool,
+        register: bool,
     ) -> Result<Vec<Vec<Vec<f32>>>> {
         assert_eq!(seqs.len(), logits_from.len(), "a logits start per sequence");
         let bs = BLOCK_SIZE;
@@ -200,7 +204,9 @@ impl<B: Backend> Runner<B> {
             let n = end - from.clamp(s.n_cached, end - 1);
             per_seq.push(out.by_ref().take(n).collect());
             s.n_cached = end;
-            s.blocks.register_full(&s.tokens, end);
+            if register {
+                s.blocks.register_full(&s.tokens, end);
+            }
         }
         Ok(per_seq)
     }
@@ -265,6 +271,7 @@ impl<B: Backend> Runner<B> {
         end: usize,
         want: impl Fn(usize) -> bool,
         progress: &mut dyn FnMut(usize, usize),
+        register: bool,
     ) -> Result<Vec<Vec<f32>>> {
         let start = seq.n_cached;
         if start >= end {
@@ -286,7 +293,9 @@ impl<B: Backend> Runner<B> {
             let logits = self.model.forward(&mut self.kv, &batch)?;
             out.extend(logits);
             seq.n_cached = stop;
-            seq.blocks.register_full(&seq.tokens, stop);
+            if register {
+                seq.blocks.register_full(&seq.tokens, stop);
+            }
             progress(stop - start, end - start);
         }
         Ok(out)

@@ -39,6 +39,25 @@ pub struct SchedulerConfig {
     /// Prompt tokens computed per step, over all prefilling requests (at least one chunk of
     /// one request runs each step while any is waiting for its prompt).
     pub prefill_budget: usize,
+    /// How the prefix cache may be used (see [`Reuse`]).
+    pub reuse: Reuse,
+}
+
+/// How much K/V a request may take from the prefix cache and from running sequences.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Reuse {
+    /// As much as is cached (whole blocks, and a running sequence's partly filled block), with
+    /// prompts computed in [`PREFILL_CHUNK`]-token chunks as llama.cpp computes them: a request
+    /// that finds part of its prompt cached computes the rest in other forward calls than a
+    /// lone run would, which can move the last bits of its logits (and so a sampled token).
+    #[default]
+    Most,
+    /// Only K/V computed exactly as the request would compute it alone, so its output never
+    /// depends on what ran before or beside it: whole [`PREFILL_CHUNK`]s of prompt from the
+    /// start, each computed in one forward call of that many tokens (a lone run's first chunks);
+    /// blocks computed otherwise (a prompt's last, shorter chunk; generated tokens) are not
+    /// offered to other requests. Only prompts sharing at least one whole chunk gain.
+    Exact,
 }
 
 impl Default for SchedulerConfig {
@@ -47,6 +66,7 @@ impl Default for SchedulerConfig {
             max_running: 8,
             seq_len: 0,
             prefill_budget: PREFILL_CHUNK,
+            reuse: Reuse::Most,
         }
     }
 }
@@ -174,6 +194,38 @@ impl Scheduler {
         self.stats
     }
 
+    /// [`Runner::reuse_prefix`], in [`Reuse::Exact`] cut back to a whole chunk (a boundary a lone
+    /// run has there).
+    fn reuse_prefix<B: Backend>(
+        &self,
+        runner: &mut Runner<B>,
+        seq: &mut Sequence,
+        tokens: &[u32],
+    ) -> usize {
+        Self::reuse_aligned(self.cfg.reuse, runner, seq, tokens)
+    }
+
+    fn reuse_aligned<B: Backend>(
+        reuse: Reuse,
+        runner: &mut Runner<B>,
+        seq: &mut Sequence,
+        tokens: &[u32],
+    ) -> usize {
+        let n = runner.reuse_prefix(seq, tokens);
+        if reuse == Reuse::Most || n.is_multiple_of(PREFILL_CHUNK) {
+            return n;
+        }
+        let aligned = n / PREFILL_CHUNK * PREFILL_CHUNK;
+        runner.truncate(seq, aligned);
+        seq.tokens.extend_from_slice(&tokens[aligned..]);
+        aligned
+    }
+
+    /// Prompt tokens per prefill forward call.
+    fn chunk(&self) -> usize {
+        PREFILL_CHUNK
+    }
+
     fn seq_len<B: Backend>(&self, runner: &Runner<B>) -> usize {
         match self.cfg.seq_len {
             0 => runner.n_ctx(),
@@ -257,7 +309,7 @@ impl Scheduler {
                 continue;
             }
             // Reuse what is cached, then see whether the rest fits beside the running requests.
-            let reused = runner.reuse_prefix(&mut s.seq, &all);
+            let reused = self.reuse_prefix(runner, &mut s.seq, &all);
             let need = pool
                 .blocks_for(all.len() + 1)
                 .saturating_sub(s.seq.blocks.len())
@@ -277,7 +329,8 @@ impl Scheduler {
                 let n = s.seq.n_cached;
                 if n < s.prompt_len() {
                     if n >= s.origin {
-                        let keep = s.origin + (n - s.origin) / PREFILL_CHUNK * PREFILL_CHUNK;
+                        let chunk = self.chunk();
+                        let keep = s.origin + (n - s.origin) / chunk * chunk;
                         runner.truncate(&mut s.seq, keep);
                         s.seq.tokens = all;
                     } else {
@@ -383,7 +436,7 @@ impl Scheduler {
                 .iter()
                 .map(|s| s.tokens.len() - s.n_cached)
                 .sum::<usize>() as u64;
-            runner.step(&mut seqs, &from, true)?
+            runner.step(&mut seqs, &from, true, self.cfg.reuse == Reuse::Most)?
         };
         let mut done = Vec::new();
         for ((s, rows), d) in rows.iter_mut().zip(logits).zip(drafts) {
@@ -450,7 +503,7 @@ impl Scheduler {
             if s.fresh {
                 // Requests ahead of it may have cached more of its prompt since it was admitted.
                 let prompt = s.req.spec.prompt.clone();
-                let mut reused = runner.reuse_prefix(&mut s.seq, &prompt);
+                let mut reused = Self::reuse_aligned(self.cfg.reuse, runner, &mut s.seq, &prompt);
                 // A running sequence may hold more of it, past the last full block: share its
                 // blocks up to there (the partly shared block is copied on the first write).
                 // Only past a whole block in common: below that the request shares nothing,
@@ -469,8 +522,9 @@ impl Scheduler {
                         )
                     })
                     .max_by_key(|&(_, n)| n);
+                let partial = self.cfg.reuse == Reuse::Most;
                 if let Some((j, n)) =
-                    best.filter(|&(_, n)| n >= BLOCK_SIZE && n.min(limit) > reused)
+                    best.filter(|&(_, n)| partial && n >= BLOCK_SIZE && n.min(limit) > reused)
                 {
                     let n = n.min(limit);
                     let mut table = self.running[j].seq.blocks.share();
@@ -487,9 +541,10 @@ impl Scheduler {
                 s.origin = reused;
                 s.fresh = false;
             }
+            let chunk = self.chunk();
             let s = &mut self.running[i];
             let end = s.prompt_len();
-            let stop = (s.seq.n_cached + PREFILL_CHUNK).min(end);
+            let stop = (s.seq.n_cached + chunk).min(end);
             if !first && stop - s.seq.n_cached > budget {
                 return Ok(());
             }
@@ -505,7 +560,10 @@ impl Scheduler {
             let i = at(&self.running);
             let s = &mut self.running[i];
             let before = s.seq.n_cached;
-            let logits = runner.prefill_chunk(&mut s.seq, s.origin, end)?;
+            // In `Reuse::Exact` only whole chunks from the start are offered to others.
+            let register = self.cfg.reuse == Reuse::Most
+                || (stop - before == chunk && before.is_multiple_of(chunk));
+            let logits = runner.prefill_chunk(&mut s.seq, s.origin, end, chunk, register)?;
             let done = s.seq.n_cached - before;
             self.stats.prefill_tokens += done as u64;
             budget = budget.saturating_sub(done);
