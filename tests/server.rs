@@ -102,6 +102,15 @@ fn python(script: &str, args: &[&str]) -> String {
     stdout
 }
 
+/// Writes the truth a Python test checks against to a temporary file.
+fn expect_file(tag: &str, v: &Value) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("infer-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("expect.json");
+    std::fs::write(&path, v.to_string()).unwrap();
+    path
+}
+
 /// What `infer run` prints alone for a prompt (greedy).
 fn solo(model: &str, chat: bool, prompt: &str, n: usize) -> String {
     let path = common::model(model);
@@ -149,10 +158,7 @@ fn openai_client_chat_completions_errors_and_metrics() {
         "tokenize": {"text": tok_text, "ids": ids},
         "ctx": ctx,
     });
-    let dir = std::env::temp_dir().join(format!("infer-server-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let expect_path = dir.join("expect.json");
-    std::fs::write(&expect_path, expect.to_string()).unwrap();
+    let expect_path = expect_file("server", &expect);
     let ctx = ctx.to_string();
     let server = Server::start(
         common::QWEN,
@@ -221,14 +227,10 @@ fn load_and_faults_with_a_small_kv_pool() {
         })
         .collect();
     assert_eq!(solo.len(), prompts.len());
-    let dir = std::env::temp_dir().join(format!("infer-load-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let expect_path = dir.join("expect.json");
-    std::fs::write(
-        &expect_path,
-        json!({"prompts": prompts, "texts": solo, "max_tokens": max_tokens}).to_string(),
-    )
-    .unwrap();
+    let expect_path = expect_file(
+        "load",
+        &json!({"prompts": prompts, "texts": solo, "max_tokens": max_tokens}),
+    );
     // 8 at once in a pool of 256 positions: 8 sequences of ~40 positions need more, so the
     // scheduler preempts and recomputes.
     let server = Server::start(

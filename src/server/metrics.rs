@@ -90,98 +90,109 @@ impl Metrics {
     pub fn render(&self, s: &Snapshot, in_flight: usize) -> String {
         let m = self.lock();
         let mut out = String::new();
-        let mut one = |name: &str, ty: &str, help: &str, v: String| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {ty}\n{name} {v}");
-        };
-        one(
-            "infer_prompt_tokens_total",
-            "counter",
-            "Prompt tokens of finished requests.",
-            m.prompt_tokens.to_string(),
-        );
-        one(
-            "infer_generated_tokens_total",
-            "counter",
-            "Tokens generated.",
-            m.generated_tokens.to_string(),
-        );
-        one(
-            "infer_requests_in_flight",
-            "gauge",
-            "Generation requests accepted and not yet answered.",
-            in_flight.to_string(),
-        );
-        one(
-            "infer_queue_length",
-            "gauge",
-            "Requests waiting for a running slot.",
-            s.waiting.to_string(),
-        );
-        one(
-            "infer_running_sequences",
-            "gauge",
-            "Sequences being computed.",
-            s.running.to_string(),
-        );
-        one(
-            "infer_kv_blocks_total",
-            "gauge",
-            "KV cache blocks in the pool.",
-            s.kv_blocks_total.to_string(),
-        );
-        one(
-            "infer_kv_blocks_used",
-            "gauge",
-            "KV cache blocks held by sequences.",
-            s.kv_blocks_used.to_string(),
-        );
-        one(
-            "infer_kv_blocks_free",
-            "gauge",
-            "KV cache blocks not held by a sequence (free, or kept only for the prefix cache).",
-            (s.kv_blocks_total - s.kv_blocks_used.min(s.kv_blocks_total)).to_string(),
-        );
-        one(
-            "infer_kv_blocks_cached",
-            "gauge",
-            "Free KV cache blocks still holding a cached prefix.",
-            s.kv_blocks_cached.to_string(),
-        );
-        one(
-            "infer_prefix_cache_reused_tokens_total",
-            "counter",
-            "Prompt tokens found in the prefix cache.",
-            s.reused_tokens.to_string(),
-        );
-        one(
-            "infer_prefix_cache_computed_tokens_total",
-            "counter",
-            "Prompt tokens computed.",
-            s.computed_tokens.to_string(),
-        );
         let seen = s.reused_tokens + s.computed_tokens;
-        one(
-            "infer_prefix_cache_hit_rate",
-            "gauge",
-            "Share of prompt tokens found in the prefix cache.",
-            if seen == 0 {
-                "0".into()
-            } else {
-                format!("{:.6}", s.reused_tokens as f64 / seen as f64)
-            },
-        );
-        one(
-            "infer_preemptions_total",
-            "counter",
-            "Sequences preempted under KV pressure (and later recomputed).",
-            s.preemptions.to_string(),
-        );
-        one(
-            "infer_engine_steps_total",
-            "counter",
-            "Batched forward steps.",
-            s.steps.to_string(),
-        );
+        let hit_rate = if seen == 0 {
+            0.0
+        } else {
+            s.reused_tokens as f64 / seen as f64
+        };
+        let free = s.kv_blocks_total - s.kv_blocks_used.min(s.kv_blocks_total);
+        // (name, type, help, value)
+        let simple: [(&str, &str, &str, String); 15] = [
+            (
+                "infer_prompt_tokens_total",
+                "counter",
+                "Prompt tokens of finished requests.",
+                m.prompt_tokens.to_string(),
+            ),
+            (
+                "infer_generated_tokens_total",
+                "counter",
+                "Tokens generated.",
+                m.generated_tokens.to_string(),
+            ),
+            (
+                "infer_requests_in_flight",
+                "gauge",
+                "Generation requests accepted and not yet answered.",
+                in_flight.to_string(),
+            ),
+            (
+                "infer_queue_length",
+                "gauge",
+                "Requests waiting for a running slot.",
+                s.waiting.to_string(),
+            ),
+            (
+                "infer_running_sequences",
+                "gauge",
+                "Sequences being computed.",
+                s.running.to_string(),
+            ),
+            (
+                "infer_kv_blocks_total",
+                "gauge",
+                "KV cache blocks in the pool.",
+                s.kv_blocks_total.to_string(),
+            ),
+            (
+                "infer_kv_blocks_used",
+                "gauge",
+                "KV cache blocks held by sequences.",
+                s.kv_blocks_used.to_string(),
+            ),
+            (
+                "infer_kv_blocks_free",
+                "gauge",
+                "KV cache blocks not held by a sequence (free, or kept only for the prefix cache).",
+                free.to_string(),
+            ),
+            (
+                "infer_kv_blocks_cached",
+                "gauge",
+                "Free KV cache blocks still holding a cached prefix.",
+                s.kv_blocks_cached.to_string(),
+            ),
+            (
+                "infer_prefix_cache_reused_tokens_total",
+                "counter",
+                "Prompt tokens found in the prefix cache.",
+                s.reused_tokens.to_string(),
+            ),
+            (
+                "infer_prefix_cache_computed_tokens_total",
+                "counter",
+                "Prompt tokens computed.",
+                s.computed_tokens.to_string(),
+            ),
+            (
+                "infer_prefix_cache_hit_rate",
+                "gauge",
+                "Share of prompt tokens found in the prefix cache.",
+                format!("{hit_rate:.6}"),
+            ),
+            (
+                "infer_preemptions_total",
+                "counter",
+                "Sequences preempted under KV pressure (and later recomputed).",
+                s.preemptions.to_string(),
+            ),
+            (
+                "infer_engine_steps_total",
+                "counter",
+                "Batched forward steps.",
+                s.steps.to_string(),
+            ),
+            (
+                "infer_kv_evicted_blocks_total",
+                "counter",
+                "Cached KV blocks evicted to make room.",
+                s.evicted_blocks.to_string(),
+            ),
+        ];
+        for (name, ty, help, v) in simple {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {ty}\n{name} {v}");
+        }
         let _ = writeln!(
             out,
             "# HELP infer_requests_total Requests answered, by endpoint and HTTP status.\n\

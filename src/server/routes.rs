@@ -132,6 +132,40 @@ fn body(state: &AppState, b: Result<Bytes, BytesRejection>) -> Result<Bytes, Api
     })
 }
 
+/// The body parsed as `T` (413 past the limit, 400 naming a bad field).
+fn read<T: serde::de::DeserializeOwned + Default>(
+    state: &AppState,
+    b: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    params::parse(&body(state, b)?)
+}
+
+/// Token ids from JSON numbers, each checked against the vocabulary.
+fn token_ids(
+    ready: &crate::server::Ready,
+    values: &[Value],
+    param: &str,
+) -> Result<Vec<u32>, ApiError> {
+    let vocab = ready.tok.vocab_size();
+    values
+        .iter()
+        .map(|v| {
+            v.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .filter(|&x| (x as usize) < vocab)
+                .ok_or_else(|| {
+                    ApiError::param(
+                        param,
+                        format!(
+                            "token ids must be integers from 0 to {} (got {v})",
+                            vocab - 1
+                        ),
+                    )
+                })
+        })
+        .collect()
+}
+
 fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     match model {
         Some(m) if !m.is_empty() && !state.is_our_model(m) => {
@@ -225,8 +259,7 @@ fn render_chat(
 }
 
 async fn chat(State(state): St, b: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
-    let b = body(&state, b)?;
-    let r: ChatRequest = params::parse(&b)?;
+    let r: ChatRequest = read(&state, b)?;
     check_model(&state, r.sampling.model.as_deref())?;
     let ready = state.ready()?;
     params::check_chat_support(&r)?;
@@ -285,31 +318,15 @@ fn completion_prompt(ready: &crate::server::Ready, p: &Value) -> Result<Vec<u32>
             .encode(s, ready.tok.add_bos_default(), true)
             .map_err(|e| ApiError::internal(format!("tokenizing the prompt: {e:#}")))
     };
-    let ids = |a: &[Value]| -> Result<Vec<u32>, ApiError> {
-        a.iter()
-            .map(|v| {
-                v.as_u64()
-                    .and_then(|x| u32::try_from(x).ok())
-                    .filter(|&x| (x as usize) < ready.tok.vocab_size())
-                    .ok_or_else(|| {
-                        ApiError::param(
-                            "prompt",
-                            format!(
-                                "token ids must be integers below the vocabulary size {}",
-                                ready.tok.vocab_size()
-                            ),
-                        )
-                    })
-            })
-            .collect()
-    };
     let prompt = match p {
         Value::String(s) => text(s)?,
         Value::Array(a) if a.len() == 1 && a[0].is_string() => text(a[0].as_str().unwrap_or(""))?,
-        Value::Array(a) if a.len() == 1 && a[0].is_array() => {
-            ids(a[0].as_array().map_or(&[][..], |v| v.as_slice()))?
-        }
-        Value::Array(a) if a.iter().all(Value::is_number) => ids(a)?,
+        Value::Array(a) if a.len() == 1 && a[0].is_array() => token_ids(
+            ready,
+            a[0].as_array().map_or(&[][..], |v| v.as_slice()),
+            "prompt",
+        )?,
+        Value::Array(a) if a.iter().all(Value::is_number) => token_ids(ready, a, "prompt")?,
         _ => return Err(bad()),
     };
     if prompt.is_empty() {
@@ -322,8 +339,7 @@ async fn completions(
     State(state): St,
     b: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let b = body(&state, b)?;
-    let r: CompletionRequest = params::parse(&b)?;
+    let r: CompletionRequest = read(&state, b)?;
     check_model(&state, r.sampling.model.as_deref())?;
     let ready = state.ready()?;
     if r.echo == Some(true) {
@@ -368,8 +384,7 @@ async fn tokenize(
     State(state): St,
     b: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let b = body(&state, b)?;
-    let r: TokenizeRequest = params::parse(&b)?;
+    let r: TokenizeRequest = read(&state, b)?;
     let ready = state.ready()?;
     let Some(content) = &r.content else {
         return Err(ApiError::param("content", "`content` is required"));
@@ -399,33 +414,16 @@ async fn tokenize(
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct DetokenizeRequest {
-    tokens: Option<Vec<i64>>,
+    tokens: Option<Vec<Value>>,
 }
 
 async fn detokenize(
     State(state): St,
     b: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let b = body(&state, b)?;
-    let r: DetokenizeRequest = params::parse(&b)?;
+    let r: DetokenizeRequest = read(&state, b)?;
     let ready = state.ready()?;
-    let vocab = ready.tok.vocab_size();
-    let ids = r
-        .tokens
-        .unwrap_or_default()
-        .into_iter()
-        .map(|t| {
-            u32::try_from(t)
-                .ok()
-                .filter(|&x| (x as usize) < vocab)
-                .ok_or_else(|| {
-                    ApiError::param(
-                        "tokens",
-                        format!("token {t} is outside the vocabulary (0..{vocab})"),
-                    )
-                })
-        })
-        .collect::<Result<Vec<u32>, ApiError>>()?;
+    let ids = token_ids(ready, &r.tokens.unwrap_or_default(), "tokens")?;
     Ok(Json(json!({"content": ready.tok.decode(&ids)})).into_response())
 }
 
@@ -440,8 +438,7 @@ async fn apply_template(
     State(state): St,
     b: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let b = body(&state, b)?;
-    let r: TemplateRequest = params::parse(&b)?;
+    let r: TemplateRequest = read(&state, b)?;
     let ready = state.ready()?;
     let Some(messages) = &r.messages else {
         return Err(ApiError::param("messages", "`messages` is required"));
