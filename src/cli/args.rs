@@ -67,6 +67,9 @@ pub enum Command {
     Perplexity(PerplexityArgs),
     /// Collect an importance matrix (mean squared activations) for `quantize --imatrix`
     Imatrix(ImatrixArgs),
+    /// Synthetic model files with a real model's shapes and random weights (GPU checks)
+    #[command(hide = true)]
+    Synth(crate::cli::synth::SynthArgs),
 }
 
 #[derive(Args, Debug)]

@@ -15,6 +15,7 @@ mod quantize;
 mod run;
 mod selftest;
 mod serve;
+mod synth;
 mod tokenize;
 
 use std::process::ExitCode;
@@ -96,6 +97,7 @@ pub fn main() -> ExitCode {
         Command::Selftest(a) => selftest::selftest(a),
         Command::Perplexity(a) => perplexity::perplexity(a),
         Command::Imatrix(a) => imatrix::imatrix(a),
+        Command::Synth(a) => synth::synth(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -17,6 +17,7 @@ pub mod hf;
 pub mod pipeline;
 pub mod policy;
 pub mod safetensors;
+pub mod synthetic;
 pub mod target;
 pub mod vocab;
 

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The GPU check, in two halves.
+#
+#   scripts/gpu-check.sh --prepare     # here: build, strip the binary and write the real models'
+#                                      # skeletons into gpu-carry/ (git-ignored, ~25 MiB)
+#   scripts/gpu-check.sh               # on the lent GPU machine, with gpu-carry/ carried along:
+#                                      # everything it measures goes under $OUT
+#
+# On the device it expands the skeletons into files with the real models' exact shapes and types
+# (Qwen2.5-Coder-1.5B Q4_K_M, Gemma-3-270M Q4_K_M; random weights: `infer synth`), then runs
+# `infer selftest` (every CUDA kernel, and a whole forward of each file, against the CPU) and
+# `infer bench --device cuda --json` (the device's bandwidth measured in the same run, pp512,
+# tg128, and batched decode through the scheduler at 1, 8 and 32 sequences). Each step has its
+# own time limit and nothing runs past BUDGET (470 s), so the whole run stays under 8 minutes; a failed step is recorded in
+# $OUT/summary.txt and the others still run. Every GPU figure in a note comes from these files.
+#
+# DEVICE=cpu QUICK=1 OUT=/tmp/gpu-out scripts/gpu-check.sh runs the same steps on the CPU with
+# small sizes (the selftest is skipped): a dry run of the script itself.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+CARRY=gpu-carry
+
+if [ "${1:-}" = "--prepare" ]; then
+    set -e
+    cargo build --release --locked
+    mkdir -p "$CARRY"
+    strip -o "$CARRY/infer" target/release/infer
+    target/release/infer synth --skeleton-of models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf -o "$CARRY/qwen.skel.gguf"
+    target/release/infer synth --skeleton-of models/gemma-3-270m-q4_k_m.gguf -o "$CARRY/gemma.skel.gguf"
+    du -sh "$CARRY"
+    exit 0
+fi
+
+OUT="${OUT:?set OUT to the folder that receives the results}"
+DEVICE="${DEVICE:-cuda}"
+QUICK="${QUICK:-0}"
+BIN="$CARRY/infer"
+WORK="${TMPDIR:-/tmp}/infer-gpu-check"
+mkdir -p "$OUT" "$WORK"
+[ -x "$BIN" ] || { echo "gpu-check: $BIN is missing: run scripts/gpu-check.sh --prepare and carry $CARRY" >&2; exit 1; }
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+
+# step NAME SECONDS CMD...: runs CMD with a time limit, its stdout to $OUT/NAME.out and stderr to
+# $OUT/NAME.err, and records the outcome.
+# Nothing starts after BUDGET seconds, and no step runs past it.
+BUDGET="${BUDGET:-470}"
+step() {
+    local name=$1 secs=$2
+    shift 2
+    local t0=$SECONDS left=$((BUDGET - SECONDS))
+    if [ "$left" -le 5 ]; then
+        printf '%-28s rc=%-3s %4ss  %s\n' "$name" skip 0 "(out of time) $*" | tee -a "$SUMMARY"
+        return
+    fi
+    [ "$secs" -gt "$left" ] && secs=$left
+    timeout "$secs" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
+    local rc=$?
+    printf '%-28s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" | tee -a "$SUMMARY"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.memory --format=csv 2>&1 || true; uname -a; nproc; } > "$OUT/device.txt"
+
+if [ "$QUICK" = 1 ]; then
+    PP=64; TG=16; REPS=1; LEVELS=1,8; CPROMPT=32; CGEN=8
+else
+    PP=512; TG=128; REPS=3; LEVELS=1,8,32; CPROMPT=512; CGEN=64
+fi
+
+for m in qwen gemma; do
+    step "synth-$m" 60 "$BIN" synth --from "$CARRY/$m.skel.gguf" -o "$WORK/$m.gguf"
+done
+
+if [ "$DEVICE" = cuda ]; then
+    step selftest-kernels 90 "$BIN" selftest
+    for m in qwen gemma; do
+        step "selftest-$m" 60 "$BIN" selftest -m "$WORK/$m.gguf"
+    done
+fi
+
+for m in qwen gemma; do
+    step "bench-$m" 75 "$BIN" bench --device "$DEVICE" -m "$WORK/$m.gguf" -p "$PP" -n "$TG" -r "$REPS" --json
+    step "batched-$m" 60 "$BIN" bench --device "$DEVICE" -m "$WORK/$m.gguf" --concurrency "$LEVELS" \
+        -p "$CPROMPT" -n "$CGEN" -r 1 --shared-prefix 0 --json
+done
+
+rm -rf "$WORK"
+cat "$SUMMARY"
+! grep -qv 'rc=0 ' "$SUMMARY"
