@@ -173,6 +173,8 @@ fn openai_client_chat_completions_errors_and_metrics() {
             "0",
             "--ctx",
             &ctx,
+            "--lookup",
+            "2",
         ],
     );
     python(

@@ -58,6 +58,9 @@ pub struct Snapshot {
     pub evicted_blocks: u64,
     pub preemptions: u64,
     pub steps: u64,
+    /// Prompt-lookup draft tokens verified, and those kept.
+    pub drafted: u64,
+    pub accepted: u64,
 }
 
 /// The HTTP side's end of the engine.
@@ -221,6 +224,8 @@ fn update<B: Backend>(handle: &EngineHandle, sched: &Scheduler, runner: &Runner<
         evicted_blocks: cache.evicted_blocks,
         preemptions: st.preemptions,
         steps: st.steps,
+        drafted: st.drafted,
+        accepted: st.accepted,
     };
     *handle.snapshot.lock().unwrap_or_else(|p| p.into_inner()) = snap;
 }

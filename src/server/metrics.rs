@@ -98,7 +98,7 @@ impl Metrics {
         };
         let free = s.kv_blocks_total - s.kv_blocks_used.min(s.kv_blocks_total);
         // (name, type, help, value)
-        let simple: [(&str, &str, &str, String); 15] = [
+        let simple: [(&str, &str, &str, String); 17] = [
             (
                 "infer_prompt_tokens_total",
                 "counter",
@@ -182,6 +182,18 @@ impl Metrics {
                 "counter",
                 "Batched forward steps.",
                 s.steps.to_string(),
+            ),
+            (
+                "infer_lookup_drafted_tokens_total",
+                "counter",
+                "Prompt-lookup draft tokens verified (--lookup).",
+                s.drafted.to_string(),
+            ),
+            (
+                "infer_lookup_accepted_tokens_total",
+                "counter",
+                "Prompt-lookup draft tokens kept.",
+                s.accepted.to_string(),
             ),
             (
                 "infer_kv_evicted_blocks_total",

@@ -4,8 +4,8 @@ cannot send what a test needs: malformed JSON, oversized bodies, missing keys).
 
   python3 tests/server/openai_client.py --url http://127.0.0.1:8080 --api-key KEY --expect expect.json
 
-The server must run with `--api-key KEY --parallel 2 --queue 1 --temp 0` (the defaults the
-checks assume); `--expect` holds the outputs `infer run` gives alone (the independent truth):
+The server must run with `--api-key KEY --parallel 2 --queue 1 --temp 0 --lookup 2` (the
+settings the checks assume); `--expect` holds the outputs `infer run` gives alone (the independent truth):
 {"chat": {"prompt", "max_tokens", "text"}, "completion": {...}, "tokenize": {"text", "ids"},
  "ctx": N}. Prints one line per check; exits 0 when every check passes, else 1.
 """
@@ -241,6 +241,10 @@ def main():
     check("/metrics idle at the end", values.get("infer_running_sequences") == 0 and
           values.get("infer_kv_blocks_used") == 0 and values.get("infer_requests_in_flight") == 0, values)
     check("/metrics generated tokens", values.get("infer_generated_tokens_total", 0) > 100)
+    # The server runs with --lookup 2: drafts were verified in the batches, and the greedy
+    # answers above still equal `infer run`'s.
+    check("/metrics lookup drafts verified and kept", values.get("infer_lookup_drafted_tokens_total", 0) > 0
+          and values.get("infer_lookup_accepted_tokens_total", 0) > 0, values.get("infer_lookup_drafted_tokens_total"))
 
     print(json.dumps({"failures": failures}))
     sys.exit(1 if failures else 0)
