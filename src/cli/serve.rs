@@ -137,7 +137,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let parallel = a.parallel as usize;
     let ctx = a.ctx;
     // KV for `n_seq` whole contexts: --kv-size rounded up to whole contexts.
-    let n_ctx_guess = ctx.unwrap_or(4096);
+    let n_ctx_guess = ctx.unwrap_or(infer::engine::load::DEFAULT_CTX);
     let n_seq = match a.kv_size {
         Some(0) => return Err(UsageError("--kv-size must be at least 1".into()).into()),
         Some(kv) => kv.div_ceil(n_ctx_guess).max(1),

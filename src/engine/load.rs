@@ -34,6 +34,9 @@ pub enum Device {
     Cuda,
 }
 
+/// KV positions of one sequence when the caller does not say (at most the training context).
+pub const DEFAULT_CTX: usize = 4096;
+
 /// How to load a model. `Default` is what `infer run` does without flags.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LoadOptions {
@@ -97,7 +100,10 @@ fn load_with<B: Backend>(
     let tokenizer = open_tokenizer(&g, path)?;
     let cfg = ModelConfig::from_gguf(&g).with_context(|| format!("reading {}", path.display()))?;
     let threads = opts.threads.unwrap_or_else(physical_cores).max(1);
-    let n_ctx = opts.n_ctx.unwrap_or(4096).min(cfg.n_ctx_train.max(1));
+    let n_ctx = opts
+        .n_ctx
+        .unwrap_or(DEFAULT_CTX)
+        .min(cfg.n_ctx_train.max(1));
     let n_seq = opts.n_seq.unwrap_or(1).max(1);
     let backend = make(&g, &cfg, CpuBackend::new(threads), n_ctx * n_seq)?;
     let weights =

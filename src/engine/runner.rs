@@ -130,20 +130,20 @@ impl<B: Backend> Runner<B> {
     }
 
     /// Computes the next prefill chunk of `seq`: positions `n_cached` up to the next multiple of
-    /// `chunk` past `origin` (where its prefill started), at most `end`. Returns the last
-    /// position's logits when the chunk reaches `end`. Chunk boundaries depend only on `origin`,
-    /// so a prompt is computed in the same forward calls whatever else runs beside it.
+    /// [`PREFILL_CHUNK`] past `origin` (where its prefill started), at most `end`. Returns the
+    /// last position's logits when the chunk reaches `end`. Chunk boundaries depend only on
+    /// `origin`, so a prompt is computed in the same forward calls whatever else runs beside it.
+    /// With `register`, the full blocks it completes go into the prefix cache.
     pub fn prefill_chunk(
         &mut self,
         seq: &mut Sequence,
         origin: usize,
         end: usize,
-        chunk: usize,
         register: bool,
     ) -> Result<Option<Vec<f32>>> {
         let start = seq.n_cached;
-        debug_assert!(start >= origin && (start - origin).is_multiple_of(chunk));
-        let stop = (start + chunk).min(end);
+        debug_assert!(start >= origin && (start - origin).is_multiple_of(PREFILL_CHUNK));
+        let stop = (start + PREFILL_CHUNK).min(end);
         let mut rows = self.compute_with(seq, stop, |i| i + 1 == end, &mut |_, _| {}, register)?;
         Ok(rows.pop())
     }

@@ -196,15 +196,6 @@ impl Scheduler {
 
     /// [`Runner::reuse_prefix`], in [`Reuse::Exact`] cut back to a whole chunk (a boundary a lone
     /// run has there).
-    fn reuse_prefix<B: Backend>(
-        &self,
-        runner: &mut Runner<B>,
-        seq: &mut Sequence,
-        tokens: &[u32],
-    ) -> usize {
-        Self::reuse_aligned(self.cfg.reuse, runner, seq, tokens)
-    }
-
     fn reuse_aligned<B: Backend>(
         reuse: Reuse,
         runner: &mut Runner<B>,
@@ -219,11 +210,6 @@ impl Scheduler {
         runner.truncate(seq, aligned);
         seq.tokens.extend_from_slice(&tokens[aligned..]);
         aligned
-    }
-
-    /// Prompt tokens per prefill forward call.
-    fn chunk(&self) -> usize {
-        PREFILL_CHUNK
     }
 
     fn seq_len<B: Backend>(&self, runner: &Runner<B>) -> usize {
@@ -309,7 +295,7 @@ impl Scheduler {
                 continue;
             }
             // Reuse what is cached, then see whether the rest fits beside the running requests.
-            let reused = self.reuse_prefix(runner, &mut s.seq, &all);
+            let reused = Self::reuse_aligned(self.cfg.reuse, runner, &mut s.seq, &all);
             let need = pool
                 .blocks_for(all.len() + 1)
                 .saturating_sub(s.seq.blocks.len())
@@ -329,8 +315,7 @@ impl Scheduler {
                 let n = s.seq.n_cached;
                 if n < s.prompt_len() {
                     if n >= s.origin {
-                        let chunk = self.chunk();
-                        let keep = s.origin + (n - s.origin) / chunk * chunk;
+                        let keep = s.origin + (n - s.origin) / PREFILL_CHUNK * PREFILL_CHUNK;
                         runner.truncate(&mut s.seq, keep);
                         s.seq.tokens = all;
                     } else {
@@ -541,10 +526,9 @@ impl Scheduler {
                 s.origin = reused;
                 s.fresh = false;
             }
-            let chunk = self.chunk();
             let s = &mut self.running[i];
             let end = s.prompt_len();
-            let stop = (s.seq.n_cached + chunk).min(end);
+            let stop = (s.seq.n_cached + PREFILL_CHUNK).min(end);
             if !first && stop - s.seq.n_cached > budget {
                 return Ok(());
             }
@@ -562,8 +546,8 @@ impl Scheduler {
             let before = s.seq.n_cached;
             // In `Reuse::Exact` only whole chunks from the start are offered to others.
             let register = self.cfg.reuse == Reuse::Most
-                || (stop - before == chunk && before.is_multiple_of(chunk));
-            let logits = runner.prefill_chunk(&mut s.seq, s.origin, end, chunk, register)?;
+                || (stop - before == PREFILL_CHUNK && before.is_multiple_of(PREFILL_CHUNK));
+            let logits = runner.prefill_chunk(&mut s.seq, s.origin, end, register)?;
             let done = s.seq.n_cached - before;
             self.stats.prefill_tokens += done as u64;
             budget = budget.saturating_sub(done);

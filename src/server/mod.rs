@@ -141,7 +141,8 @@ async fn serve_async(
 
     // The engine thread: load, publish, then run the step loop until shut down.
     let (handle, rx) = engine::channel();
-    let (failed_tx, mut failed_rx) = tokio::sync::mpsc::unbounded_channel::<anyhow::Error>();
+    // A model that fails to load is reported here (a dropped sender: it loaded).
+    let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<anyhow::Error>();
     let engine_thread = {
         let state = state.clone();
         let handle = handle.clone();
@@ -149,26 +150,25 @@ async fn serve_async(
         std::thread::Builder::new()
             .name("infer-engine".into())
             .spawn(move || {
-                let loaded = match load() {
-                    Ok(l) => l,
+                let started = load().and_then(|l| {
+                    let format = PromptFormat::from_model(&l.gguf, &l.tokenizer)?;
+                    Ok((l, format))
+                });
+                let (
+                    Loaded {
+                        tokenizer,
+                        mut runner,
+                        ..
+                    },
+                    format,
+                ) = match started {
+                    Ok(x) => x,
                     Err(e) => {
                         let _ = failed_tx.send(e);
                         return;
                     }
                 };
-                let Loaded {
-                    gguf,
-                    tokenizer,
-                    mut runner,
-                    ..
-                } = loaded;
-                let format = match PromptFormat::from_model(&gguf, &tokenizer) {
-                    Ok(f) => f,
-                    Err(e) => {
-                        let _ = failed_tx.send(e);
-                        return;
-                    }
-                };
+                drop(failed_tx);
                 let pool = runner.pool();
                 let seq_len = runner.n_ctx().min(pool.n_blocks() * pool.block_size());
                 let n_ctx_train = runner.model.cfg.n_ctx_train;
@@ -194,44 +194,22 @@ async fn serve_async(
     };
 
     let app = routes::router(state.clone());
-    let stop = {
-        let state = state.clone();
-        let handle = handle.clone();
-        let log = log.clone();
-        async move {
-            let why = tokio::select! {
-                s = signal() => s.to_string(),
-                e = failed_rx.recv() => match e {
-                    Some(e) => return Err(e),
-                    None => std::future::pending().await,
-                },
-            };
+    let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, app).with_graceful_shutdown(async {
+        let _ = shutdown_rx.await;
+    });
+    let server = tokio::spawn(async move { server.await });
+    // Until a stop signal, or the model failing to load.
+    let failed = tokio::select! {
+        why = signal() => {
             log(&format!("{why}: stopping (ending the requests in flight)"));
             state.stopping.store(true, Ordering::Relaxed);
             handle.send(Command::Shutdown);
-            Ok(())
+            None
         }
+        Ok(e) = failed_rx => Some(e),
     };
-    // The stop future's outcome, shared with the graceful-shutdown trigger.
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<Result<()>>();
-    tokio::spawn(async move {
-        let _ = stop_tx.send(stop.await);
-    });
-    let (outcome_tx, outcome_rx) = tokio::sync::watch::channel(false);
-    let mut outcome = None;
-    let shutdown = {
-        let mut rx = outcome_rx.clone();
-        async move {
-            let _ = rx.wait_for(|&v| v).await;
-        }
-    };
-    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
-    let server = tokio::spawn(async move { server.await });
-    let result = stop_rx.await.unwrap_or(Ok(()));
-    let _ = outcome_tx.send(true);
-    if let Err(e) = result {
-        outcome = Some(e);
-    }
+    let _ = shutdown_tx.send(());
     // Streams end once the engine has cancelled their requests; do not wait forever.
     let drained = tokio::time::timeout(std::time::Duration::from_secs(DRAIN_SECS), server).await;
     if drained.is_err() {
@@ -241,7 +219,7 @@ async fn serve_async(
     }
     drop(handle);
     drop(state);
-    if let Some(e) = outcome {
+    if let Some(e) = failed {
         return Err(e).context("loading the model");
     }
     let _ = tokio::task::spawn_blocking(move || engine_thread.join()).await;

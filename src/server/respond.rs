@@ -201,6 +201,11 @@ impl Head {
 
 /// Runs `job` and answers it (JSON or a stream).
 pub async fn respond(state: Arc<AppState>, ready: &Ready, job: Job) -> Result<Response, ApiError> {
+    if ready.engine.is_dead() {
+        return Err(ApiError::internal(
+            "the engine has failed; restart the server",
+        ));
+    }
     let n = job.settings.params.len();
     // A place in the queue, or 429.
     let cap = state.cfg.parallel + state.cfg.queue;
@@ -215,11 +220,6 @@ pub async fn respond(state: Arc<AppState>, ready: &Ready, job: Job) -> Result<Re
         ids: Vec::with_capacity(n),
         finished: vec![false; n],
     };
-    if ready.engine.is_dead() {
-        return Err(ApiError::internal(
-            "the engine has failed; restart the server",
-        ));
-    }
     let (tx, rx) = mpsc::unbounded_channel();
     let arrived = Instant::now();
     for (tag, params) in job.settings.params.iter().enumerate() {
