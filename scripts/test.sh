@@ -12,7 +12,9 @@
 # - Chromium (Debian's package, as root through apt-get), for the chat page test.
 # - The real models (scripts/fetch-models.sh: skipped when present with the right sha256).
 # Then it regenerates the CUDA kernels' PTX and cubins and fails on any difference with the
-# committed cuda/build/ or on a register spill, and runs `cargo test --release --locked`.
+# committed cuda/build/ or on a register spill, and runs `cargo test --release --locked`, failing
+# if the CPU lacks a SIMD level in INFER_EXPECT_SIMD (default `avx2`; `avx2,avx512` on an
+# AVX-512 runner, empty for none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,5 +52,8 @@ scripts/fetch-models.sh
 step "cuda kernels (regenerated with NVRTC, compared with cuda/build/)"
 python3 scripts/build-cuda-kernels.py --check --no-spills > /dev/null
 
-step "cargo test --release --locked $*"
+# The SIMD levels this machine must have: a kernel test for a level the building CPU lacks is
+# compiled as ignored (build.rs), and this makes the run fail instead when the level is expected.
+export INFER_EXPECT_SIMD="${INFER_EXPECT_SIMD-avx2}"
+step "cargo test --release --locked $* (expecting SIMD levels: ${INFER_EXPECT_SIMD:-none})"
 cargo test --release --locked "$@"

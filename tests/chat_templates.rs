@@ -169,6 +169,55 @@ fn template_errors_are_clear() {
     assert!(s.contains("line 1"), "{s}");
 }
 
+/// A template is code from someone else's file: a render that loops without end stops on its
+/// instruction budget, one whose output grows without end stops at the output limit, and one
+/// that tries to read a file (through `include`, `import` or `extends`) fails; each an error
+/// that says why, never a hang or an unbounded allocation.
+#[test]
+fn templates_are_bounded_and_sandboxed() {
+    let user = [Message::new("user", "x")];
+    let err = |src: &str| {
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        format!("{:#}", t.render(&user, true).unwrap_err())
+    };
+    let s = err("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}");
+    assert!(s.contains("more than 20000000 instructions"), "{s}");
+    let s = err("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}");
+    assert!(s.contains("output passed 64 MiB"), "{s}");
+    for src in [
+        "{% include '/etc/passwd' %}",
+        "{% import '/etc/passwd' as p %}",
+        "{% extends '/etc/hostname' %}",
+    ] {
+        let s = err(src);
+        assert!(
+            s.contains("non-existing template") || s.contains("does not exist"),
+            "{src}: {s}"
+        );
+        assert!(!s.contains("root:"), "{src}: {s}");
+    }
+}
+
+/// The budget is far above what real conversations need: 5,000 messages (with every role the
+/// templates accept, alternating) render with each real template of the fixtures.
+#[test]
+fn long_conversations_fit_the_budget() {
+    let fx = fixtures();
+    let msgs: Vec<Message> = (0..5000)
+        .map(|i| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            Message::new(role, &format!("message {i}"))
+        })
+        .collect();
+    for t in &fx.templates {
+        let c = compile(t);
+        let out = c
+            .render(&msgs, true)
+            .unwrap_or_else(|e| panic!("{}: {e:#}", t.name));
+        assert!(out.contains("message 4999"), "{}", t.name);
+    }
+}
+
 /// `date -u +FMT` (coreutils), the independent truth for `strftime_now`.
 fn date_u(fmt: &str) -> String {
     let out = Command::new("date")

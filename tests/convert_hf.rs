@@ -839,3 +839,97 @@ fn bad_inputs_give_clear_errors_and_leave_no_output() {
         .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+/// A llama checkpoint whose rows are 256 and 512 wide, so that the k-quants fit: the tiny
+/// llama-gqa fixture's config and tokenizer with `hidden_size` 256, `intermediate_size` 512 and
+/// one layer, and weights N(0, 0.05)-like from a fixed xorshift, written with the safetensors crate.
+fn wide_checkpoint(dir: &Path) -> PathBuf {
+    let ck = dir.join("llama-wide");
+    std::fs::create_dir_all(&ck).unwrap();
+    let src = fixture("llama-gqa");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), ck.join(f)).unwrap();
+    }
+    let mut cfg = json(&src.join("config.json"));
+    cfg["hidden_size"] = 256.into();
+    cfg["intermediate_size"] = 512.into();
+    cfg["head_dim"] = 64.into();
+    cfg["num_hidden_layers"] = 1.into();
+    std::fs::write(ck.join("config.json"), cfg.to_string()).unwrap();
+    let (h, i, v, q, kv) = (256usize, 512usize, 512usize, 4 * 64usize, 2 * 64usize);
+    let shapes: Vec<(String, Vec<usize>)> = [
+        ("model.embed_tokens.weight", vec![v, h]),
+        ("lm_head.weight", vec![v, h]),
+        ("model.norm.weight", vec![h]),
+        ("model.layers.0.input_layernorm.weight", vec![h]),
+        ("model.layers.0.post_attention_layernorm.weight", vec![h]),
+        ("model.layers.0.self_attn.q_proj.weight", vec![q, h]),
+        ("model.layers.0.self_attn.k_proj.weight", vec![kv, h]),
+        ("model.layers.0.self_attn.v_proj.weight", vec![kv, h]),
+        ("model.layers.0.self_attn.o_proj.weight", vec![h, q]),
+        ("model.layers.0.mlp.gate_proj.weight", vec![i, h]),
+        ("model.layers.0.mlp.up_proj.weight", vec![i, h]),
+        ("model.layers.0.mlp.down_proj.weight", vec![h, i]),
+    ]
+    .into_iter()
+    .map(|(n, s)| (n.to_string(), s))
+    .collect();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let data: Vec<Vec<u8>> = shapes
+        .iter()
+        .map(|(name, s)| {
+            let n: usize = s.iter().product();
+            (0..n)
+                .flat_map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    let u = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    let x = if name.ends_with("norm.weight") {
+                        1.0 + 0.2 * u
+                    } else {
+                        0.1 * u
+                    };
+                    x.to_le_bytes()
+                })
+                .collect()
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = shapes
+        .iter()
+        .zip(&data)
+        .map(|((n, s), d)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d);
+            (n.clone(), view.unwrap())
+        })
+        .collect();
+    let bytes = safetensors::serialize(views, None).unwrap();
+    std::fs::write(ck.join("model.safetensors"), bytes).unwrap();
+    ck
+}
+
+/// With rows that fit a 256-value block, `q4_k_m` writes Q4_K and Q6_K tensors (not the
+/// fallbacks of the narrow fixtures), and gguf-py (`gguf==0.19.0`, pinned in
+/// scripts/test-requirements.txt) reads every one of them and dequantizes it to within the
+/// k-quant's error bound of the f32 conversion; the other tensors byte-identical to its quantizers.
+#[test]
+fn k_quants_of_256_wide_rows_are_read_back_by_gguf_py() {
+    gguf_py();
+    let dir = scratch("wide");
+    let ck = wide_checkpoint(&dir);
+    let f32_out = dir.join("wide.f32.gguf");
+    let out = dir.join("wide.q4_k_m.gguf");
+    for (ty, o) in [("f32", &f32_out), ("q4_k_m", &out)] {
+        let (ck, o) = (ck.to_str().unwrap(), o.to_str().unwrap());
+        quantize(&["--from-hf", ck, "--out", o, "--type", ty]);
+    }
+    let g = Gguf::open(&out).unwrap();
+    let ty = |n: &str| g.tensor(n).unwrap().ty;
+    assert_eq!(ty("blk.0.attn_q.weight"), GgmlType::Q4K);
+    assert_eq!(ty("blk.0.ffn_gate.weight"), GgmlType::Q4K);
+    assert_eq!(ty("blk.0.ffn_down.weight"), GgmlType::Q6K);
+    assert_eq!(ty("output.weight"), GgmlType::Q6K);
+    let msg = run_check("quant", &out, &f32_out);
+    assert!(msg.starts_with("ok:"), "{msg}");
+    assert!(!msg.contains(" 0 k-quant tensors"), "{msg}");
+}

@@ -7,6 +7,12 @@
 //! render context is transformers': `messages`, `tools` and `documents` (None),
 //! `add_generation_prompt`, and `bos_token`/`eos_token` (undefined when the model has none).
 //! Errors name the template line.
+//!
+//! A template comes from a file someone else wrote, so a render is bounded: at most
+//! [`RENDER_FUEL`] template instructions (minijinja's fuel, which also ends any loop), at most
+//! [`MAX_OUTPUT`] bytes written, minijinja's own recursion limit (500) and repetition limits; and
+//! it reaches nothing outside: no loader is set, so `include`, `import` and `extends` of any name
+//! but the template's own fail, and no function reads files, the environment or the network.
 
 use anyhow::{anyhow, Result};
 use minijinja::syntax::SyntaxConfig;
@@ -35,6 +41,36 @@ impl Message {
 }
 
 const NAME: &str = "chat_template";
+
+/// Template instructions one render may run. The real templates need about 60 per message
+/// (Qwen2.5's with tools about 300), so this allows conversations of tens of thousands of
+/// messages while a runaway template stops within about 0.3 s.
+pub const RENDER_FUEL: u64 = 20_000_000;
+
+/// The most bytes a render may produce (a prompt is far smaller: it must fit the context).
+pub const MAX_OUTPUT: usize = 64 << 20;
+
+/// A sink that fails once more than `limit` bytes were written to it.
+struct Bounded<'a> {
+    out: &'a mut Vec<u8>,
+    limit: usize,
+    over: &'a mut bool,
+}
+
+impl std::io::Write for Bounded<'_> {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.out.len() + b.len() > self.limit {
+            *self.over = true;
+            return Err(std::io::Error::other("template output too large"));
+        }
+        self.out.extend_from_slice(b);
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
 
 /// A compiled chat template with the special-token texts it may print.
 pub struct ChatTemplate {
@@ -77,6 +113,7 @@ impl ChatTemplate {
             .build()
             .map_err(|e| anyhow!("chat template syntax config: {e}"))?;
         env.set_syntax(syntax);
+        env.set_fuel(Some(RENDER_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_formatter(python::formatter);
         env.add_filter("tojson", python::tojson);
@@ -156,8 +193,25 @@ impl ChatTemplate {
             bos_token => opt(&self.bos_token),
             eos_token => opt(&self.eos_token),
         };
-        tmpl.render(ctx)
-            .map_err(|e| anyhow!("the chat template failed: {}", describe(&e)))
+        let (mut out, mut over) = (Vec::new(), false);
+        let sink = Bounded {
+            out: &mut out,
+            limit: MAX_OUTPUT,
+            over: &mut over,
+        };
+        match tmpl.render_captured_to(ctx, sink) {
+            Ok(_) => String::from_utf8(out)
+                .map_err(|_| anyhow!("the chat template failed: its output is not UTF-8")),
+            Err(_) if over => Err(anyhow!(
+                "the chat template failed: its output passed {} MiB",
+                MAX_OUTPUT >> 20
+            )),
+            Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => Err(anyhow!(
+                "the chat template failed: it ran more than {RENDER_FUEL} instructions \
+                 (a loop that does not end, or a conversation far too long)"
+            )),
+            Err(e) => Err(anyhow!("the chat template failed: {}", describe(&e))),
+        }
     }
 }
 

@@ -279,11 +279,14 @@ mod tests {
     /// shuffled order. Each part's values are written just before it is reported (the rest of
     /// the row holding NaN), as the threads write them.
     #[test]
+    #[cfg_attr(
+        not(infer_host_avx512),
+        ignore = "needs AVX-512 F/BW/VL/VNNI, which the CPU that built the tests lacks"
+    )]
     fn parts_quantize_every_block_once() {
         static CALLS: AtomicUsize = AtomicUsize::new(0);
-        let Some((quantize, elems)) = avx512_quantizer(GgmlType::Q4_0) else {
-            return; // no AVX-512 quantizer on this CPU
-        };
+        simd::require(simd::Level::Avx512);
+        let (quantize, elems) = avx512_quantizer(GgmlType::Q4_0).expect("an AVX-512 quantizer");
         fn counted(x: &[f32], q: &mut [u8]) {
             CALLS.fetch_add(1, Ordering::Relaxed);
             simd::avx512::quantize::quantize_row_q8_0(x, q);

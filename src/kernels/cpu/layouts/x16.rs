@@ -543,10 +543,7 @@ pub(crate) fn check_blocks32_rows_against_gemv(
     gemv: fn(usize, &[u8], &[u8], &mut [f32]),
     matmul: Blocks32Matmul,
 ) {
-    if crate::kernels::cpu::simd::current() < crate::kernels::cpu::simd::Level::Avx512 {
-        eprintln!("skipped: no AVX-512 level on this CPU");
-        return;
-    }
+    crate::kernels::cpu::simd::require(crate::kernels::cpu::simd::Level::Avx512);
     let pool = ThreadPool::new(2);
     let (rows, cols) = (64, 640);
     let nb = cols / 32;

@@ -201,6 +201,19 @@ pub fn current() -> Level {
     })
 }
 
+/// For a test of `level`'s kernels: panics unless the level is in use. Such a test is compiled
+/// as ignored where the building CPU lacks the level (`build.rs`), so it never returns early and
+/// counts as passed; this catches a run capped below it by `INFER_SIMD`.
+#[cfg(test)]
+pub(crate) fn require(level: Level) {
+    assert!(
+        current() >= level,
+        "this test needs the {} level, but {} is in use (the CPU lacks it, or INFER_SIMD caps it)",
+        level.name(),
+        current().name()
+    );
+}
+
 /// The name of the level in use: `"avx512"`, `"avx2"` or `"scalar"`.
 pub fn level() -> &'static str {
     current().name()

@@ -394,10 +394,9 @@ fn select_level_caps_at_detected() {
 /// Runs only in the child process `infer_simd_env_is_honoured` starts (which sets
 /// `INFER_SIMD_TEST_EXPECT`): checks what the real, cached dispatch chose.
 #[test]
+#[ignore = "run by infer_simd_env_is_honoured in a child process"]
 fn env_child() {
-    let Ok(expect) = std::env::var("INFER_SIMD_TEST_EXPECT") else {
-        return;
-    };
+    let expect = std::env::var("INFER_SIMD_TEST_EXPECT").expect("INFER_SIMD_TEST_EXPECT set");
     assert_eq!(level(), expect);
     let k = kernels(GgmlType::Q4K);
     if expect == "scalar" {
@@ -415,6 +414,35 @@ fn env_child() {
     }
 }
 
+/// The levels the test run must have, from `INFER_EXPECT_SIMD` (a comma-separated list of level
+/// names; `scripts/test.sh` sets `avx2` unless told otherwise): a CI machine without one fails
+/// here instead of quietly ignoring that level's kernel tests. Each must also be what the tests
+/// were compiled for (`build.rs`), or its tests were compiled as ignored.
+#[test]
+fn expected_levels_are_present() {
+    let expect = std::env::var("INFER_EXPECT_SIMD").unwrap_or_default();
+    for name in expect.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let level = Level::ALL
+            .into_iter()
+            .find(|l| l.name() == name)
+            .unwrap_or_else(|| panic!("INFER_EXPECT_SIMD names {name:?}: not a level"));
+        assert!(
+            level.available(),
+            "INFER_EXPECT_SIMD expects {name}, which this CPU lacks"
+        );
+        let compiled = match level {
+            Level::Scalar => true,
+            Level::Avx2 => cfg!(infer_host_avx2),
+            Level::Avx512 => cfg!(infer_host_avx512),
+        };
+        assert!(
+            compiled,
+            "the tests were built without the {name} level's tests"
+        );
+        assert!(current() >= level, "INFER_SIMD caps the level below {name}");
+    }
+}
+
 #[test]
 fn infer_simd_env_is_honoured() {
     let exe = std::env::current_exe().unwrap();
@@ -429,6 +457,7 @@ fn infer_simd_env_is_honoured() {
             .args([
                 "--exact",
                 "kernels::cpu::simd::tests::env_child",
+                "--ignored",
                 "--test-threads=1",
             ])
             .env("INFER_SIMD", env)
@@ -490,10 +519,13 @@ fn dot_rows_equals_dot_bit_for_bit() {
 /// bit set, clear and mixed, against activation bytes of ±127: bit-identical to the
 /// AVX2 dot product, which computes these integers with the sign trick.
 #[test]
+#[cfg_attr(
+    not(infer_host_avx2),
+    ignore = "needs AVX2, FMA and F16C, which the CPU that built the tests lacks"
+)]
 fn dot_rows_exact_on_extreme_raw_blocks() {
-    let Some(avx2) = Level::Avx2.available().then_some(Level::Avx2) else {
-        return;
-    };
+    assert!(Level::Avx2.available(), "needs the AVX2 level");
+    let avx2 = Level::Avx2;
     let f16b = |v: f32| f16::from_f32(v).to_le_bytes();
     let nb = 6; // 192 values
     for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {

@@ -25,11 +25,13 @@ fn read_block_inverts_pack() {
 /// The x16 kernel equals the row kernels (AVX2 and AVX-512, `ggml_vec_dot_q5_0_q8_0`'s
 /// arithmetic) bit for bit (`x16::check_blocks32_against_rows`).
 #[test]
+#[cfg_attr(
+    not(infer_host_avx512),
+    ignore = "needs AVX-512 F/BW/VL/VNNI, which the CPU that built the tests lacks"
+)]
 fn x16_decode_equals_row_decode_bit_for_bit() {
-    if !applies(R, 32) {
-        eprintln!("skipped: no AVX-512 level on this CPU");
-        return;
-    }
+    crate::kernels::cpu::simd::require(crate::kernels::cpu::simd::Level::Avx512);
+    assert!(applies(R, 32));
     check_blocks32_against_rows(GgmlType::Q5_0, W_BYTES, pack_into, gemv);
 }
 
@@ -37,6 +39,10 @@ fn x16_decode_equals_row_decode_bit_for_bit() {
 /// (`x16::check_blocks32_rows_against_gemv`): the row-invariant verify depends on it.
 #[cfg(target_arch = "x86_64")]
 #[test]
+#[cfg_attr(
+    not(infer_host_avx512),
+    ignore = "needs AVX-512 F/BW/VL/VNNI, which the CPU that built the tests lacks"
+)]
 fn rows_at_once_equal_one_row_bit_for_bit() {
     crate::kernels::cpu::layouts::x16::check_blocks32_rows_against_gemv(
         W_BYTES, pack_into, gemv, matmul,

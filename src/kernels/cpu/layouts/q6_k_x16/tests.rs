@@ -55,11 +55,13 @@ fn read_block_inverts_pack() {
 /// The x16 kernel equals the AVX2 row kernel (`ggml_vec_dot_q6_K_q8_K`'s arithmetic) bit for bit:
 /// on quantized real-valued rows, and on raw blocks with extreme values and activations.
 #[test]
+#[cfg_attr(
+    not(infer_host_avx512),
+    ignore = "needs AVX-512 F/BW/VL/VNNI, which the CPU that built the tests lacks"
+)]
 fn x16_decode_equals_row_decode_bit_for_bit() {
-    if !applies(R, 256) {
-        eprintln!("skipped: no AVX-512 level on this CPU");
-        return;
-    }
+    crate::kernels::cpu::simd::require(crate::kernels::cpu::simd::Level::Avx512);
+    assert!(applies(R, 256));
     let rows_fn = simd::dot_rows_at(simd::Level::Avx2, GgmlType::Q6K).expect("AVX2 Q6_K kernel");
     let pool = ThreadPool::new(2);
     for (case, rows, cols) in [(0, 48, 768), (1, 32, 1536), (2, 16, 256)] {
@@ -102,11 +104,13 @@ fn x16_decode_equals_row_decode_bit_for_bit() {
 /// Several activation rows at once (`matmul`, up to four per pass over a unit) give each row
 /// exactly what the one-row kernel gives it: the row-invariant verify depends on it.
 #[test]
+#[cfg_attr(
+    not(infer_host_avx512),
+    ignore = "needs AVX-512 F/BW/VL/VNNI, which the CPU that built the tests lacks"
+)]
 fn rows_at_once_equal_one_row_bit_for_bit() {
-    if !applies(R, 256) {
-        eprintln!("skipped: no AVX-512 level on this CPU");
-        return;
-    }
+    crate::kernels::cpu::simd::require(crate::kernels::cpu::simd::Level::Avx512);
+    assert!(applies(R, 256));
     let pool = ThreadPool::new(2);
     let (rows, cols) = (64, 768);
     let nb = cols / 256;

@@ -11,11 +11,19 @@ thread_local! {
 }
 
 #[test]
+#[cfg_attr(
+    not(infer_host_avx2),
+    ignore = "needs AVX2, FMA and F16C, which the CPU that built the tests lacks"
+)]
 fn gemm_equals_dot_bit_for_bit() {
     gemm_equals_dot(false);
 }
 
 #[test]
+#[cfg_attr(
+    not(infer_host_avx2),
+    ignore = "needs AVX2, FMA and F16C, which the CPU that built the tests lacks"
+)]
 fn avx2_tile_equals_dot_at_every_level() {
     FORCE_AVX2.with(|f| f.set(true));
     gemm_equals_dot(true);
@@ -31,9 +39,7 @@ fn gemm_equals_dot(avx2: bool) {
 fn gemm_equals_dot_at(avx2: bool, cols: usize) {
     let rows = 10;
     for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
-        let Some(k) = crate::kernels::cpu::simd::kernels(ty) else {
-            return;
-        };
+        let k = crate::kernels::cpu::simd::kernels(ty).expect("SIMD kernels at the level in use");
         let mut w = Vec::new();
         let mut tmp = Vec::new();
         for r in 0..rows {
@@ -69,12 +75,14 @@ fn gemm_equals_dot_at(avx2: bool, cols: usize) {
 }
 
 #[test]
+#[cfg_attr(
+    not(infer_host_avx2),
+    ignore = "needs AVX2, FMA and F16C, which the CPU that built the tests lacks"
+)]
 fn simd_pack_equals_scalar_pack() {
     let cols = 96;
     for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
-        if !applies(ty, cols, MIN_ROWS) {
-            return;
-        }
+        assert!(applies(ty, cols, MIN_ROWS), "{} panels apply", ty.name());
         let mut w = Vec::new();
         let mut tmp = Vec::new();
         for r in 0..GROUP {
