@@ -19,7 +19,7 @@ cd "$(dirname "$0")/../fuzz"
 secs="${1:-30}"
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(gguf server_request tokenizer chat_template hf_checkpoint)
+[ ${#targets[@]} -gt 0 ] || targets=(gguf server_request tokenizer chat_template hf_checkpoint prompt_cache)
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz --locked --version 0.13.1
 export RUSTC_BOOTSTRAP=1
 echo "== building the fuzz targets (AddressSanitizer)" >&2
@@ -28,6 +28,7 @@ for t in "${targets[@]}"; do
     max_len=4096
     [ "$t" = gguf ] && max_len=16384
     [ "$t" = hf_checkpoint ] && max_len=32768
+    [ "$t" = prompt_cache ] && max_len=16384
     mkdir -p "corpus/$t"
     echo "== $t ($secs s)" >&2
     INFER_MODELS="${INFER_MODELS:-$PWD/../models}" cargo fuzz run -O "$t" "corpus/$t" "seeds/$t" -- \

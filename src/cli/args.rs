@@ -279,6 +279,11 @@ pub struct RunArgs {
     /// "temperature", "seed", "stop"; one JSON result line per request, in order
     #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_ids", "logprobs"])]
     pub batch_file: Option<PathBuf>,
+    /// Save the prompt's KV cache to FILE, and on a later run whose prompt starts the same way
+    /// load it instead of computing it (whole 512-token chunks, or all of an identical prompt;
+    /// the output is the same). A file from another model or damaged is said and recomputed
+    #[arg(long, value_name = "FILE", conflicts_with = "batch_file")]
+    pub prompt_cache: Option<PathBuf>,
     /// With --batch-file: run up to N requests at once (continuous batching; each one's text is
     /// what it gets alone). KV is reserved for N sequences of --ctx positions
     #[arg(long, value_name = "N", default_value_t = 8, requires = "batch_file",

@@ -16,8 +16,9 @@ use crate::cli::load::{load_cpu, load_for, Loaded};
 use crate::cli::tokenize::read_stdin_text;
 use crate::cli::{note, progress, UsageError};
 use infer::engine::generate::{generate_with, GenHooks, GenParams, TokenEvent};
+use infer::engine::prompt_cache::{self, CacheShape, Saved};
 use infer::engine::request::{Event, RequestSpec};
-use infer::engine::runner::Sequence;
+use infer::engine::runner::{Sequence, BLOCK_SIZE, PREFILL_CHUNK};
 use infer::engine::scheduler::run_one;
 use infer::engine::speculative::{check_vocab, DraftModel, Method, Speculator};
 use infer::tokenizer::Tokenizer;
@@ -139,7 +140,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         (None, Some(text)) => prompt_tokens(&loaded, &a, text)?,
         (None, None) => unreachable!("one of prompt or ids is set above"),
     };
-    let (tok, mut runner) = (loaded.tokenizer, loaded.runner);
+    let (tok, mut runner, gguf) = (loaded.tokenizer, loaded.runner, loaded.gguf);
     let params = GenParams {
         max_tokens: a.max_tokens,
         sampler,
@@ -178,15 +179,29 @@ pub fn run(a: RunArgs) -> Result<()> {
         out.flush()?;
         Ok(())
     };
-    let stats = if spec.is_some() {
-        // Speculative decoding drafts and verifies one sequence's tokens in its own loop.
+    let mut cache = match &a.prompt_cache {
+        Some(path) => Some(PromptCacheRun::open(path, &gguf, &mut runner, &prompt)?),
+        None => None,
+    };
+    let mut prefill_logits = Vec::new();
+    let mut keep_logits = |l: &[f32]| prefill_logits = l.to_vec();
+    let stats = if spec.is_some() || cache.is_some() {
+        // Speculative decoding drafts and verifies one sequence's tokens in its own loop; a
+        // prompt cache hands it a sequence already holding the prompt's start.
+        let (mut seq, prefilled) = match &mut cache {
+            Some(c) => (std::mem::take(&mut c.seq), c.prefilled.take()),
+            None => (Sequence::default(), None),
+        };
         let hooks = GenHooks {
             logprobs: a.logprobs,
             prefill_progress: Some(&mut on_prefill),
             spec: spec.as_mut(),
+            prefilled,
+            on_prefill: cache
+                .is_some()
+                .then_some(&mut keep_logits as &mut dyn FnMut(&[f32])),
         };
-        let mut seq = Sequence::default();
-        generate_with(
+        let stats = generate_with(
             &mut runner,
             &mut seq,
             &tok,
@@ -195,7 +210,11 @@ pub fn run(a: RunArgs) -> Result<()> {
             &cancel,
             hooks,
             emit,
-        )?
+        )?;
+        if let Some(c) = &mut cache {
+            c.seq = seq;
+        }
+        stats
     } else {
         // Through the scheduler, as a server's requests run.
         let request = RequestSpec {
@@ -227,6 +246,9 @@ pub fn run(a: RunArgs) -> Result<()> {
         )?
     };
     drop(bar);
+    if let Some(c) = cache {
+        c.save(&runner, &prompt, prefill_logits)?;
+    }
     if a.json {
         writeln!(
             out,
@@ -255,8 +277,12 @@ pub fn run(a: RunArgs) -> Result<()> {
         writeln!(out)?;
     }
     out.flush()?;
+    let reused = match stats.reused_tokens {
+        0 => String::new(),
+        n => format!(" ({n} more reused)"),
+    };
     note!(
-        "infer: prompt {} tokens, {:.1} tokens/s; generated {} tokens, {:.1} tokens/s; stop: {}",
+        "infer: prompt {} tokens computed{reused}, {:.1} tokens/s; generated {} tokens, {:.1} tokens/s; stop: {}",
         stats.prompt_tokens,
         stats.prompt_tps(),
         stats.generated_tokens,
@@ -327,4 +353,88 @@ fn speculator(a: &RunArgs, tok: &Tokenizer, n_layer: usize) -> Result<Option<Spe
 
 fn round2(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
+}
+
+/// `--prompt-cache FILE` for one run: what the file gave (a sequence holding the reused start of
+/// the prompt, and the logits when it held the whole prompt), and whether to write it back.
+struct PromptCacheRun {
+    path: std::path::PathBuf,
+    shape: CacheShape,
+    seq: Sequence,
+    prefilled: Option<Vec<f32>>,
+    /// The file already holds exactly this prompt: nothing to write.
+    current: bool,
+}
+
+impl PromptCacheRun {
+    /// Reads `path` (if it exists) and loads what `prompt` can use of it into a new sequence;
+    /// a file that cannot be used is said on stderr, and replaced after this run.
+    fn open<B: infer::model::Backend>(
+        path: &std::path::Path,
+        gguf: &infer::format::Gguf,
+        runner: &mut infer::engine::runner::Runner<B>,
+        prompt: &[u32],
+    ) -> Result<PromptCacheRun> {
+        let cfg = &runner.model.cfg;
+        let shape = CacheShape {
+            model: gguf.fingerprint(),
+            kv_type: cfg.kv_type,
+            n_layer: cfg.n_layer,
+            kv_dim: cfg.kv_dim(),
+            block_size: BLOCK_SIZE,
+        };
+        let mut run = PromptCacheRun {
+            path: path.to_path_buf(),
+            shape,
+            seq: Sequence::default(),
+            prefilled: None,
+            current: false,
+        };
+        let shown = path.display();
+        let saved = match prompt_cache::load(path, &shape) {
+            Ok(Some(s)) => s,
+            Ok(None) => {
+                note!("infer: prompt cache {shown} does not exist yet: it will be written");
+                return Ok(run);
+            }
+            Err(why) => {
+                note!("infer: prompt cache {shown} not used: {why}; recomputing, and replacing it");
+                return Ok(run);
+            }
+        };
+        let mut n = prompt_cache::usable(&saved.tokens, prompt, PREFILL_CHUNK);
+        if n == prompt.len() && saved.logits.len() != runner.vocab_size() {
+            n = prompt_cache::usable(&saved.tokens, &prompt[..prompt.len() - 1], PREFILL_CHUNK);
+        }
+        if n > 0 {
+            runner.import_kv(&mut run.seq, prompt, n, &saved.kv, saved.tokens.len())?;
+        }
+        if n == prompt.len() {
+            run.prefilled = Some(saved.logits);
+            run.current = true;
+        }
+        note!(
+            "infer: prompt cache {shown}: {n} of the prompt's {} tokens loaded",
+            prompt.len()
+        );
+        Ok(run)
+    }
+
+    /// Writes the prompt's K/V and the logits after it, unless the file already holds them.
+    fn save<B: infer::model::Backend>(
+        self,
+        runner: &infer::engine::runner::Runner<B>,
+        prompt: &[u32],
+        logits: Vec<f32>,
+    ) -> Result<()> {
+        if self.current || logits.is_empty() || self.seq.n_cached < prompt.len() {
+            return Ok(());
+        }
+        let saved = Saved {
+            tokens: prompt.to_vec(),
+            logits,
+            kv: runner.export_kv(&self.seq, prompt.len())?,
+        };
+        prompt_cache::save(&self.path, &self.shape, &saved)
+    }
 }

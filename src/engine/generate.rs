@@ -101,6 +101,9 @@ pub struct TokenEvent<'a> {
     pub logprobs: Option<TokenLogprobs>,
 }
 
+/// A callback given a row of logits.
+pub type LogitsHook<'a> = dyn FnMut(&[f32]) + 'a;
+
 /// Optional extras of [`generate_with`]; `Default` asks for none.
 #[derive(Default)]
 pub struct GenHooks<'a> {
@@ -110,6 +113,11 @@ pub struct GenHooks<'a> {
     pub prefill_progress: Option<&'a mut dyn FnMut(usize, usize)>,
     /// Speculative decoding (see `speculative`); its counters are updated.
     pub spec: Option<&'a mut Speculator>,
+    /// The logits after the prompt's last token when `seq` already caches the whole prompt (a
+    /// prompt cache hit): nothing is computed before the first token.
+    pub prefilled: Option<Vec<f32>>,
+    /// Called once with the logits after the prompt (computed or prefilled), before sampling.
+    pub on_prefill: Option<&'a mut LogitsHook<'a>>,
 }
 
 /// Generates a continuation of `prompt` in `seq` (whose cached prefix is reused where it matches).
@@ -147,12 +155,27 @@ pub fn generate_with<B: Backend>(
         "the prompt is empty: give at least one token"
     );
     let t0 = Instant::now();
-    let reused = runner.reuse_prefix(seq, prompt);
-    runner.pool().count(reused, prompt.len() - reused);
-    let mut logits = match hooks.prefill_progress {
-        Some(p) => runner.compute_progress(seq, p)?,
-        None => runner.compute(seq)?,
+    let (reused, mut logits) = match hooks.prefilled {
+        Some(l) => {
+            anyhow::ensure!(
+                seq.tokens == prompt && seq.n_cached == prompt.len(),
+                "prefilled logits need the whole prompt cached"
+            );
+            (prompt.len(), l)
+        }
+        None => {
+            let reused = runner.reuse_prefix(seq, prompt);
+            let logits = match hooks.prefill_progress {
+                Some(p) => runner.compute_progress(seq, p)?,
+                None => runner.compute(seq)?,
+            };
+            (reused, logits)
+        }
     };
+    runner.pool().count(reused, prompt.len() - reused);
+    if let Some(f) = hooks.on_prefill {
+        f(&logits);
+    }
     let prompt_secs = t0.elapsed().as_secs_f64();
 
     let mut sampler = Sampler::new(params.sampler.clone());

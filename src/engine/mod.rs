@@ -9,6 +9,7 @@
 pub mod generate;
 pub mod kv_blocks;
 pub mod load;
+pub mod prompt_cache;
 pub mod request;
 pub mod runner;
 pub mod sampler;

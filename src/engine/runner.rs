@@ -344,6 +344,50 @@ impl<B: Backend> Runner<B> {
     }
 
     /// Forgets every position from `len` on.
+    /// The K/V of `seq`'s first `n` positions (the blocks holding them, whole), as
+    /// [`Backend::kv_export`] writes them, to save with the prompt cache.
+    pub fn export_kv(&self, seq: &Sequence, n: usize) -> Result<Vec<u8>> {
+        if n > seq.n_cached {
+            bail!("only {} positions are cached, not {n}", seq.n_cached);
+        }
+        let blocks = &seq.blocks.blocks()[..n.div_ceil(BLOCK_SIZE)];
+        self.model.backend.kv_export(&self.kv, blocks)
+    }
+
+    /// Makes the empty `seq` hold `tokens`, the first `n` of them cached with K/V from `kv`:
+    /// [`Runner::export_kv`]'s bytes for `kv_positions >= n` positions of the same model, of
+    /// which the blocks holding the first `n` are taken.
+    pub fn import_kv(
+        &mut self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        n: usize,
+        kv: &[u8],
+        kv_positions: usize,
+    ) -> Result<()> {
+        if !seq.tokens.is_empty() || n > tokens.len() || n > kv_positions {
+            bail!("import_kv needs an empty sequence and at most the saved positions");
+        }
+        let (blocks, saved) = (n.div_ceil(BLOCK_SIZE), kv_positions.div_ceil(BLOCK_SIZE));
+        if saved == 0 || !kv.len().is_multiple_of(saved) {
+            bail!(
+                "saved KV of {} bytes does not hold {saved} blocks",
+                kv.len()
+            );
+        }
+        if !self.pool.can_allocate(blocks) {
+            bail!("the KV cache cannot hold the saved prompt (raise --ctx)");
+        }
+        seq.tokens = tokens[..n].to_vec();
+        self.prepare(seq, 0, n)?;
+        let ids = seq.blocks.blocks()[..blocks].to_vec();
+        let bytes = &kv[..blocks * (kv.len() / saved)];
+        self.model.backend.kv_import(&mut self.kv, &ids, bytes)?;
+        seq.n_cached = n;
+        seq.tokens.extend_from_slice(&tokens[n..]);
+        Ok(())
+    }
+
     pub fn truncate(&mut self, seq: &mut Sequence, len: usize) {
         let len = len.min(seq.tokens.len());
         seq.tokens.truncate(len);

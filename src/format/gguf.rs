@@ -561,6 +561,27 @@ impl Gguf {
     pub fn file_size(&self) -> usize {
         self.bytes.as_slice().len()
     }
+
+    /// What identifies this file cheaply (no full read): a checksum of its size, its header
+    /// (metadata and tensor infos) and the first and last 64 KiB of its tensor data. Two model
+    /// files with the same fingerprint are taken to be the same model (the prompt cache does).
+    pub fn fingerprint(&self) -> u64 {
+        const SAMPLE: usize = 64 << 10;
+        let bytes = self.bytes.as_slice();
+        let data = self.data_start.min(bytes.len());
+        let first = &bytes[data..(data + SAMPLE).min(bytes.len())];
+        let last = &bytes[bytes.len().saturating_sub(SAMPLE).max(data)..];
+        let mut all = Vec::with_capacity(32);
+        for h in [
+            bytes.len() as u64,
+            super::checksum(&bytes[..data]),
+            super::checksum(first),
+            super::checksum(last),
+        ] {
+            all.extend_from_slice(&h.to_le_bytes());
+        }
+        super::checksum(&all)
+    }
 }
 
 /// Everything parsed from the bytes before the data section.

@@ -423,6 +423,24 @@ impl Backend for DeviceBackend {
         }
     }
 
+    fn kv_export(&self, kv: &DevKv, blocks: &[u32]) -> Result<Vec<u8>> {
+        match (&kv.cpu, self.gpu_layers) {
+            (Some(c), 0) => Ok(c.export(blocks)),
+            _ => anyhow::bail!(
+                "the prompt cache keeps the KV cache on the CPU only (this run holds some on the GPU: use --device cpu)"
+            ),
+        }
+    }
+
+    fn kv_import(&self, kv: &mut DevKv, blocks: &[u32], bytes: &[u8]) -> Result<()> {
+        match (&mut kv.cpu, self.gpu_layers) {
+            (Some(c), 0) => c.import(blocks, bytes),
+            _ => anyhow::bail!(
+                "the prompt cache keeps the KV cache on the CPU only (this run holds some on the GPU: use --device cpu)"
+            ),
+        }
+    }
+
     fn kv_write(&self, kv: &mut DevKv, layer: usize, k: &DevAct, v: &DevAct, slots: &[usize]) {
         match (layer < self.gpu_layers, &mut kv.cuda, &mut kv.cpu) {
             (true, Some(c), _) => {

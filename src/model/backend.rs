@@ -271,6 +271,17 @@ pub trait Backend {
     /// Copies whole KV blocks, every layer's K and V: for each `(from, to)`, block `to` gets
     /// block `from`'s positions (copy-on-write of a shared block before it is written).
     fn kv_copy_blocks(&self, kv: &mut Self::Kv, pairs: &[(u32, u32)]);
+    /// The K/V of `blocks`, every layer, as bytes to save: per block, per layer, K's slots then
+    /// V's, each value little-endian in the cache's own type ([`KvType`]). A backend that cannot
+    /// read its cache back says so.
+    fn kv_export(&self, _kv: &Self::Kv, _blocks: &[u32]) -> Result<Vec<u8>> {
+        anyhow::bail!("the {} backend cannot save its KV cache", self.name())
+    }
+    /// Writes bytes of [`Backend::kv_export`]'s layout (from a cache of the same model, type and
+    /// block size) into `blocks`.
+    fn kv_import(&self, _kv: &mut Self::Kv, _blocks: &[u32], _bytes: &[u8]) -> Result<()> {
+        anyhow::bail!("the {} backend cannot load a saved KV cache", self.name())
+    }
     /// A whole attention sublayer with plain projections (see [`AttnBlock`]), its output into
     /// `out` (n, n_embd), every value as [`attention_block_steps`] computes it (the scratch rows
     /// are left unspecified). A backend may fuse the steps (the CPU one runs a decode step's

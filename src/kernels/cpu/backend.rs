@@ -184,6 +184,91 @@ impl CpuKv {
     }
 }
 
+impl CpuKv {
+    /// Values per block in one layer's K (or V).
+    fn block_values(&self) -> usize {
+        self.block_size * self.kv_dim
+    }
+
+    /// Bytes of one block: every layer's K and V.
+    fn block_bytes(&self) -> usize {
+        let (layers, width) = match &self.f32 {
+            Some(k32) => (k32.k.len(), 4),
+            None => (self.k.layers(), 2),
+        };
+        2 * layers * self.block_values() * width
+    }
+
+    /// [`Backend::kv_export`]: per block, per layer, K's values then V's, little-endian.
+    pub fn export(&self, blocks: &[u32]) -> Vec<u8> {
+        let n = self.block_values();
+        let mut out = Vec::with_capacity(blocks.len() * self.block_bytes());
+        for &b in blocks {
+            let r = b as usize * n..(b as usize + 1) * n;
+            match &self.f32 {
+                Some(k32) => {
+                    for (k, v) in k32.k.iter().zip(&k32.v) {
+                        for x in k[r.clone()].iter().chain(&v[r.clone()]) {
+                            out.extend_from_slice(&x.to_le_bytes());
+                        }
+                    }
+                }
+                None => {
+                    for l in 0..self.k.layers() {
+                        for x in self.k[l][r.clone()].iter().chain(&self.v[l][r.clone()]) {
+                            out.extend_from_slice(&x.to_le_bytes());
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// [`Backend::kv_import`]: the inverse of [`CpuKv::export`] for the same blocks count.
+    pub fn import(&mut self, blocks: &[u32], bytes: &[u8]) -> Result<()> {
+        let per_block = self.block_bytes();
+        if bytes.len() != blocks.len() * per_block {
+            bail!(
+                "saved KV has {} bytes, {} blocks of this cache take {}",
+                bytes.len(),
+                blocks.len(),
+                blocks.len() * per_block
+            );
+        }
+        let n = self.block_values();
+        for (&b, src) in blocks.iter().zip(bytes.chunks_exact(per_block)) {
+            let r = b as usize * n..(b as usize + 1) * n;
+            match &mut self.f32 {
+                Some(k32) => {
+                    let mut vals = src
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                    for (k, v) in k32.k.iter_mut().zip(k32.v.iter_mut()) {
+                        for x in k[r.clone()].iter_mut().chain(v[r.clone()].iter_mut()) {
+                            *x = vals.next().expect("sized above");
+                        }
+                    }
+                }
+                None => {
+                    let mut vals = src
+                        .chunks_exact(2)
+                        .map(|c| half::f16::from_le_bytes([c[0], c[1]]));
+                    for l in 0..self.k.layers() {
+                        for x in self.k[l][r.clone()].iter_mut() {
+                            *x = vals.next().expect("sized above");
+                        }
+                        for x in self.v[l][r.clone()].iter_mut() {
+                            *x = vals.next().expect("sized above");
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A raw pointer to f32 data shared across the pool's threads, each writing disjoint elements.
 #[derive(Clone, Copy)]
 struct SharedF32(*mut f32);
@@ -514,6 +599,14 @@ impl Backend for CpuBackend {
     fn kv_copy_blocks(&self, kv: &mut CpuKv, pairs: &[(u32, u32)]) {
         let layers = 0..kv.k.layers();
         kv.copy_blocks(pairs, layers);
+    }
+
+    fn kv_export(&self, kv: &CpuKv, blocks: &[u32]) -> Result<Vec<u8>> {
+        Ok(kv.export(blocks))
+    }
+
+    fn kv_import(&self, kv: &mut CpuKv, blocks: &[u32], bytes: &[u8]) -> Result<()> {
+        kv.import(blocks, bytes)
     }
 
     fn kv_write(&self, kv: &mut CpuKv, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[usize]) {
