@@ -109,6 +109,24 @@ pub struct PerplexityArgs {
     /// Also run this base model on the same windows: mean KL(base || model), top-1 agreement
     #[arg(long, value_name = "BASE")]
     pub kl_divergence: Option<PathBuf>,
+    /// Read the whole text through one --ctx window that shifts (context shift, KV never
+    /// recomputed), 32 tokens a forward call, keeping the first --keep tokens as attention sinks;
+    /// scores every token from position --ctx on
+    #[arg(long, conflicts_with_all = ["kl_divergence", "sliding"])]
+    pub context_shift: bool,
+    /// With --context-shift: tokens kept at the start, rounded up to whole 32-token blocks (0: no
+    /// sinks)
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 4,
+        requires = "context_shift"
+    )]
+    pub keep: usize,
+    /// The reference for --context-shift: every STRIDE tokens, recompute the --ctx tokens ending
+    /// there from scratch and score the last STRIDE; scores the same tokens
+    #[arg(long, value_name = "STRIDE", conflicts_with = "kl_divergence")]
+    pub sliding: Option<usize>,
     /// One JSON object on stdout instead of text
     #[arg(long)]
     pub json: bool,
@@ -284,6 +302,22 @@ pub struct RunArgs {
     /// the output is the same). A file from another model or damaged is said and recomputed
     #[arg(long, value_name = "FILE", conflicts_with = "batch_file")]
     pub prompt_cache: Option<PathBuf>,
+    /// When the context is full, keep the first --keep tokens (attention sinks), drop the oldest
+    /// 32-token block after them and go on, for any number of tokens (StreamingLLM)
+    #[arg(long, conflicts_with = "batch_file")]
+    pub context_shift: bool,
+    /// With --context-shift: tokens kept at the start (after BOS), rounded up to whole 32-token
+    /// blocks
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 4,
+        requires = "context_shift"
+    )]
+    pub keep: usize,
+    /// Keep generating past end-of-generation tokens, to -n tokens (benchmarks, tests)
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// With --batch-file: run up to N requests at once (continuous batching; each one's text is
     /// what it gets alone). KV is reserved for N sequences of --ctx positions
     #[arg(long, value_name = "N", default_value_t = 8, requires = "batch_file",

@@ -13,6 +13,7 @@ use crate::cli::load::{load, Loaded};
 use crate::cli::{note, progress, UsageError};
 use infer::engine::runner::Runner;
 use infer::eval::perplexity::{evaluate, first_scored, Options, Progress, Report};
+use infer::eval::streaming::{sliding, streaming};
 use infer::tokenizer::Tokenizer;
 
 /// Reads a UTF-8 text file (usage error when missing).
@@ -63,6 +64,9 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
             "infer: warning: --ctx {} is beyond the model's training context {train}",
             a.ctx
         );
+    }
+    if a.context_shift || a.sliding.is_some() {
+        return moving_window(&a, loaded, &tokens, bos);
     }
     let base = match &a.kl_divergence {
         Some(p) => {
@@ -168,4 +172,80 @@ fn text_report(r: &Report) -> String {
         );
     }
     s
+}
+
+/// `--context-shift` / `--sliding STRIDE`: perplexity of the whole text through a moving window
+/// of `--ctx` tokens (see `infer::eval::streaming`).
+fn moving_window(
+    a: &PerplexityArgs,
+    loaded: Loaded,
+    tokens: &[u32],
+    bos: Option<u32>,
+) -> Result<()> {
+    let mut runner = loaded.runner;
+    if tokens.len() <= a.ctx {
+        return Err(UsageError(format!(
+            "the text has {} tokens: a moving window needs more than --ctx {}",
+            tokens.len(),
+            a.ctx
+        ))
+        .into());
+    }
+    let bar = progress::bar_over(tokens.len(), "tokens");
+    let mut on_progress = |done: usize, _: usize| {
+        if let Some(b) = &bar {
+            b.set_position(done as u64);
+        }
+    };
+    let t0 = Instant::now();
+    let (mode, r) = if a.context_shift {
+        let keep = a.keep + usize::from(bos.is_some() && a.keep > 0);
+        let need = (keep.div_ceil(32) + 2) * 32;
+        if a.ctx < need {
+            return Err(
+                UsageError(format!("--context-shift needs --ctx of at least {need}")).into(),
+            );
+        }
+        let r = streaming(&mut runner, tokens, keep, 32, &mut on_progress)?;
+        (format!("context shift, {keep} tokens kept"), r)
+    } else {
+        let stride = a.sliding.expect("checked by the caller");
+        if stride == 0 || stride >= a.ctx {
+            return Err(UsageError(format!(
+                "--sliding must be between 1 and --ctx - 1, got {stride}"
+            ))
+            .into());
+        }
+        let r = sliding(&mut runner, tokens, stride, bos, &mut on_progress)?;
+        (
+            format!("sliding window recomputed every {stride} tokens"),
+            r,
+        )
+    };
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    note!(
+        "infer: {} tokens in {:.1} s",
+        tokens.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    let ppl_err = r.ppl * r.nll_err;
+    if a.json {
+        let v = serde_json::json!({
+            "ppl": r.ppl,
+            "ppl_err": ppl_err,
+            "nll": r.nll,
+            "ctx": a.ctx,
+            "tokens_scored": r.tokens,
+            "mode": mode,
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "PPL = {:.4} +/- {:.5}  ({mode}, window {}, {} tokens scored, mean NLL {:.6})",
+            r.ppl, ppl_err, a.ctx, r.tokens, r.nll
+        );
+    }
+    Ok(())
 }

@@ -145,7 +145,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         max_tokens: a.max_tokens,
         sampler,
         stop: [a.stop.clone(), chat_stops].concat(),
-        ignore_eos: false,
+        ignore_eos: a.ignore_eos,
     };
     let tty = std::io::stdout().is_terminal();
     let cancel = cancel_flag();
@@ -185,7 +185,8 @@ pub fn run(a: RunArgs) -> Result<()> {
     };
     let mut prefill_logits = Vec::new();
     let mut keep_logits = |l: &[f32]| prefill_logits = l.to_vec();
-    let stats = if spec.is_some() || cache.is_some() {
+    let context_shift = context_shift(&a, &tok, runner.n_ctx(), spec.is_some())?;
+    let stats = if spec.is_some() || cache.is_some() || context_shift.is_some() {
         // Speculative decoding drafts and verifies one sequence's tokens in its own loop; a
         // prompt cache hands it a sequence already holding the prompt's start.
         let (mut seq, prefilled) = match &mut cache {
@@ -200,6 +201,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             on_prefill: cache
                 .is_some()
                 .then_some(&mut keep_logits as &mut dyn FnMut(&[f32])),
+            context_shift,
         };
         let stats = generate_with(
             &mut runner,
@@ -312,6 +314,30 @@ pub fn run(a: RunArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--context-shift`: the positions kept at the start (`--keep`, plus BOS when the model adds
+/// one), checked against the context (the kept blocks and two more must fit).
+fn context_shift(a: &RunArgs, tok: &Tokenizer, n_ctx: usize, spec: bool) -> Result<Option<usize>> {
+    if !a.context_shift {
+        return Ok(None);
+    }
+    if spec {
+        return Err(UsageError(
+            "--context-shift does not work with speculative decoding (--lookup, --draft-model, --self-draft)".into(),
+        )
+        .into());
+    }
+    let keep = a.keep + usize::from(tok.add_bos_default() && !a.no_bos);
+    let need = (keep.div_ceil(BLOCK_SIZE) + 2) * BLOCK_SIZE;
+    if n_ctx < need {
+        return Err(UsageError(format!(
+            "--context-shift with --keep {} needs a context of at least {need} (raise --ctx)",
+            a.keep
+        ))
+        .into());
+    }
+    Ok(Some(keep))
 }
 
 /// The speculative decoder the flags ask for (`None`: plain decoding). Loads `--draft-model`

@@ -118,6 +118,10 @@ pub struct GenHooks<'a> {
     pub prefilled: Option<Vec<f32>>,
     /// Called once with the logits after the prompt (computed or prefilled), before sampling.
     pub on_prefill: Option<&'a mut LogitsHook<'a>>,
+    /// `Some(keep)`: when the context is full, drop the oldest block of positions after the
+    /// blocks holding the first `keep` and go on ([`Runner::shift`], StreamingLLM's attention
+    /// sinks) instead of stopping. Not with speculation.
+    pub context_shift: Option<usize>,
 }
 
 /// Generates a continuation of `prompt` in `seq` (whose cached prefix is reused where it matches).
@@ -154,6 +158,13 @@ pub fn generate_with<B: Backend>(
         !prompt.is_empty(),
         "the prompt is empty: give at least one token"
     );
+    anyhow::ensure!(
+        hooks.context_shift.is_none() || hooks.spec.is_none(),
+        "shifting the context does not work with speculative decoding"
+    );
+    let context_shift = hooks.context_shift;
+    // Tokens a context shift dropped from `seq` (they stay emitted).
+    let mut shifted = 0;
     let t0 = Instant::now();
     let (reused, mut logits) = match hooks.prefilled {
         Some(l) => {
@@ -202,7 +213,7 @@ pub fn generate_with<B: Backend>(
             Some((d, _)) => *d,
             None => match decided.take() {
                 Some(d) => d,
-                None => sampler.sample(&logits, &seq.tokens[..emitted_base + generated]),
+                None => sampler.sample(&logits, &seq.tokens[..emitted_base + generated - shifted]),
             },
         };
         if tok.is_eog(id) && !params.ignore_eos {
@@ -230,7 +241,10 @@ pub fn generate_with<B: Backend>(
             break StopReason::Length;
         }
         if seq.tokens.len() >= runner.n_ctx() {
-            break StopReason::ContextFull;
+            match context_shift {
+                Some(keep) => shifted += runner.shift(seq, keep, 1)?,
+                None => break StopReason::ContextFull,
+            }
         }
         logits = match (next_verified, spec.as_deref_mut()) {
             (Some((_, after)), _) => after,
@@ -248,7 +262,7 @@ pub fn generate_with<B: Backend>(
         };
     };
     // Verified tokens past where generation stopped were never emitted: forget them.
-    runner.truncate(seq, emitted_base + generated);
+    runner.truncate(seq, emitted_base + generated - shifted);
     if stop != StopReason::StopString {
         let mut tail = utf8.flush();
         tail = stops.push(&tail).0 + &stops.finish();

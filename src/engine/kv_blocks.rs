@@ -344,6 +344,37 @@ impl BlockTable {
         self.hashes.truncate(n_positions / s.block_size);
     }
 
+    /// Gives back blocks `at..at + n` (a context shift drops them) and makes every later block
+    /// private to this table: its registration in the prefix cache is forgotten, since its
+    /// content is about to change (its keys are re-rotated) and it no longer follows the chain
+    /// its hash describes. Fails, changing nothing, if a later block is shared with another
+    /// table.
+    pub fn remove_blocks(&mut self, at: usize, n: usize) -> Result<()> {
+        let Some(pool) = self.pool.clone() else {
+            bail!("an empty block table has no blocks to remove");
+        };
+        if at + n > self.blocks.len() {
+            bail!("blocks {at}..{} of {} removed", at + n, self.blocks.len());
+        }
+        let mut s = pool.lock();
+        if self.blocks[at + n..]
+            .iter()
+            .any(|&b| s.refs[b as usize] > 1)
+        {
+            bail!("a block after the dropped ones is shared with another sequence");
+        }
+        for &b in &self.blocks[at + n..] {
+            if let Some(e) = s.entry[b as usize].take() {
+                s.by_hash.remove(&e.hash);
+            }
+        }
+        for b in self.blocks.drain(at..at + n).collect::<Vec<_>>() {
+            s.decref(b);
+        }
+        self.hashes.truncate(at);
+        Ok(())
+    }
+
     /// Registers the full blocks among the first `n_cached` positions of `tokens` in the prefix
     /// cache (those not yet registered). A block whose hash is already registered elsewhere stays
     /// private (the other copy serves later requests).

@@ -388,6 +388,31 @@ impl<B: Backend> Runner<B> {
         Ok(())
     }
 
+    /// Context shift: keeps the blocks holding `seq`'s first `keep` positions, drops the `n`
+    /// blocks after them (their tokens leave `seq.tokens`), and re-rotates the keys of every
+    /// later cached position to its new place, `n` blocks earlier. Returns how many tokens were
+    /// dropped.
+    pub fn shift(&mut self, seq: &mut Sequence, keep: usize, n: usize) -> Result<usize> {
+        let bs = BLOCK_SIZE;
+        let at = keep.div_ceil(bs);
+        let (from, to) = (at * bs, (at + n) * bs);
+        if n == 0 || to > seq.n_cached {
+            bail!(
+                "cannot drop {n} blocks after the first {keep} positions of {} cached",
+                seq.n_cached
+            );
+        }
+        seq.blocks.remove_blocks(at, n)?;
+        seq.tokens.drain(from..to);
+        seq.n_cached -= to - from;
+        let slots: Vec<usize> = (from..seq.n_cached)
+            .map(|p| seq.blocks.blocks()[p / bs] as usize * bs + p % bs)
+            .collect();
+        self.model
+            .shift_kv(&mut self.kv, &slots, (to - from) as u32)?;
+        Ok(to - from)
+    }
+
     pub fn truncate(&mut self, seq: &mut Sequence, len: usize) {
         let len = len.min(seq.tokens.len());
         seq.tokens.truncate(len);

@@ -7,10 +7,12 @@
 //! standard errors; `perplexity` cuts the token stream into windows and drives the model (and an
 //! optional base model) over them; `observe` is a [`crate::model::Backend`] wrapper that sees every
 //! matmul input, which `imatrix` turns into per-channel statistics and reads/writes in llama.cpp's
-//! legacy `imatrix.dat` layout. Nothing here changes how a model computes: a model evaluated here
+//! legacy `imatrix.dat` layout; `streaming` reads a text longer than the context through a moving
+//! window (context shift with attention sinks, or recomputed sliding windows). Nothing here changes how a model computes: a model evaluated here
 //! gives the logits `infer run` would give for the same tokens at the same positions.
 
 pub mod imatrix;
 pub mod observe;
 pub mod perplexity;
 pub mod stats;
+pub mod streaming;

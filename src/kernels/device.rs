@@ -432,6 +432,26 @@ impl Backend for DeviceBackend {
         }
     }
 
+    fn kv_shift(
+        &self,
+        kv: &mut DevKv,
+        layer: usize,
+        slots: &[usize],
+        delta: u32,
+        rope: Rope,
+        ff: Option<&DevVec>,
+    ) -> Result<()> {
+        match (&mut kv.cpu, layer < self.gpu_layers) {
+            (Some(c), false) => {
+                c.shift_keys(layer, slots, delta, rope, ff.map(|f| f.host.as_slice()));
+                Ok(())
+            }
+            _ => anyhow::bail!(
+                "shifting the context works on the CPU's KV cache only (this run holds some on the GPU: use --device cpu)"
+            ),
+        }
+    }
+
     fn kv_import(&self, kv: &mut DevKv, blocks: &[u32], bytes: &[u8]) -> Result<()> {
         match (&mut kv.cpu, self.gpu_layers) {
             (Some(c), 0) => c.import(blocks, bytes),

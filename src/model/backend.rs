@@ -277,6 +277,21 @@ pub trait Backend {
     fn kv_export(&self, _kv: &Self::Kv, _blocks: &[u32]) -> Result<Vec<u8>> {
         anyhow::bail!("the {} backend cannot save its KV cache", self.name())
     }
+    /// Rotates the keys in `slots` of `layer` back by `delta` positions (RoPE by `-delta`, with the
+    /// layer's `rope` and frequency factors `ff`): after a context shift moved those positions
+    /// `delta` places earlier, each key is as if computed at its new position (up to the cache's
+    /// rounding). Values do not depend on position and stay.
+    fn kv_shift(
+        &self,
+        _kv: &mut Self::Kv,
+        _layer: usize,
+        _slots: &[usize],
+        _delta: u32,
+        _rope: Rope,
+        _ff: Option<&Self::Vector>,
+    ) -> Result<()> {
+        anyhow::bail!("the {} backend cannot shift its KV cache", self.name())
+    }
     /// Writes bytes of [`Backend::kv_export`]'s layout (from a cache of the same model, type and
     /// block size) into `blocks`.
     fn kv_import(&self, _kv: &mut Self::Kv, _blocks: &[u32], _bytes: &[u8]) -> Result<()> {

@@ -225,6 +225,46 @@ impl CpuKv {
         out
     }
 
+    /// [`Backend::kv_shift`]: each key of `slots` in `layer` rotated by `-delta` positions, head
+    /// by head, through f32 (the f16 cache is rounded once more).
+    pub fn shift_keys(
+        &mut self,
+        layer: usize,
+        slots: &[usize],
+        delta: u32,
+        rope: Rope,
+        ff: Option<&[f32]>,
+    ) {
+        let hd = rope.head_dim;
+        let mut table = vec![0f32; hd];
+        match ff {
+            Some(ff) => ops::rope_cache_scaled(delta, rope.base, hd, ff, &mut table),
+            None => ops::rope_cache(delta, rope.base, hd, &mut table),
+        }
+        // cos(-a) = cos(a), sin(-a) = -sin(a)
+        table.iter_mut().skip(1).step_by(2).for_each(|s| *s = -*s);
+        let d = self.kv_dim;
+        let mut row = vec![0f32; d];
+        for &slot in slots {
+            let r = slot * d..(slot + 1) * d;
+            match &mut self.f32 {
+                Some(k32) => {
+                    for head in k32.k[layer][r].chunks_exact_mut(hd) {
+                        ops::rope_head(head, &table, rope.style);
+                    }
+                }
+                None => {
+                    let keys = &mut self.k[layer][r];
+                    keys.convert_to_f32_slice(&mut row);
+                    for head in row.chunks_exact_mut(hd) {
+                        ops::rope_head(head, &table, rope.style);
+                    }
+                    keys.convert_from_f32_slice(&row);
+                }
+            }
+        }
+    }
+
     /// [`Backend::kv_import`]: the inverse of [`CpuKv::export`] for the same blocks count.
     pub fn import(&mut self, blocks: &[u32], bytes: &[u8]) -> Result<()> {
         let per_block = self.block_bytes();
@@ -609,6 +649,19 @@ impl Backend for CpuBackend {
         kv.import(blocks, bytes)
     }
 
+    fn kv_shift(
+        &self,
+        kv: &mut CpuKv,
+        layer: usize,
+        slots: &[usize],
+        delta: u32,
+        rope: Rope,
+        ff: Option<&Vec<f32>>,
+    ) -> Result<()> {
+        kv.shift_keys(layer, slots, delta, rope, ff.map(Vec::as_slice));
+        Ok(())
+    }
+
     fn kv_write(&self, kv: &mut CpuKv, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[usize]) {
         if let Some(kv32) = &mut kv.f32 {
             return kv32.write(layer, k, v, slots);
@@ -727,5 +780,74 @@ mod tests {
             be.recycle(vec![0.0; 8]);
         }
         assert_eq!(be.spare.lock().unwrap().len(), SPARE_BUFFERS);
+    }
+
+    /// A key rotated to position `p` and then shifted back by `d` equals the same key rotated to
+    /// `p - d` directly: both RoPE styles, two bases, with and without frequency factors, in an
+    /// f32 cache (within the f32 angles' rounding) and an f16 one (within f16 rounding).
+    #[test]
+    fn shifted_keys_equal_rope_at_the_new_position() {
+        use crate::model::config::RopeStyle;
+        let (hd, heads) = (64usize, 2usize);
+        let d = hd * heads;
+        let be = CpuBackend::new(1);
+        let ff: Vec<f32> = (0..hd / 2).map(|i| 1.0 + i as f32 / 16.0).collect();
+        let x = crate::kernels::cpu::test_floats(d, 7);
+        let at = |pos: u32, base: f32, style: RopeStyle, ff: Option<&[f32]>| {
+            let mut table = vec![0f32; hd];
+            match ff {
+                Some(ff) => ops::rope_cache_scaled(pos, base, hd, ff, &mut table),
+                None => ops::rope_cache(pos, base, hd, &mut table),
+            }
+            let mut y = x.clone();
+            y.chunks_exact_mut(hd)
+                .for_each(|h| ops::rope_head(h, &table, style));
+            y
+        };
+        for kv_type in [KvType::F32, KvType::F16] {
+            let mut kv = be.alloc_kv(1, 4, 32, d, kv_type).unwrap();
+            for style in [RopeStyle::Normal, RopeStyle::Neox] {
+                for base in [10_000f32, 1e6] {
+                    for factors in [None, Some(&ff[..])] {
+                        for (p, delta) in [(70u32, 32u32), (500, 64), (97, 96)] {
+                            let rope = Rope {
+                                style,
+                                base,
+                                head_dim: hd,
+                            };
+                            let slot = 40;
+                            let k = CpuAct {
+                                rows: 1,
+                                cols: d,
+                                data: at(p, base, style, factors),
+                            };
+                            be.kv_write(&mut kv, 0, &k, &k, &[slot]);
+                            let ffv = factors.map(<[f32]>::to_vec);
+                            be.kv_shift(&mut kv, 0, &[slot], delta, rope, ffv.as_ref())
+                                .unwrap();
+                            let got: Vec<f32> = match &kv.f32 {
+                                Some(k32) => k32.k[0][slot * d..(slot + 1) * d].to_vec(),
+                                None => kv.k[0][slot * d..(slot + 1) * d]
+                                    .iter()
+                                    .map(|h| h.to_f32())
+                                    .collect(),
+                            };
+                            let want = at(p - delta, base, style, factors);
+                            // f32 angles of hundreds of radians are exact to about 3e-5 (as
+                            // in any RoPE); f16 storage rounds to about 5e-4.
+                            let tol = if kv_type == KvType::F32 { 1e-4 } else { 2e-3 };
+                            let scale = want.iter().fold(0f32, |m, w| m.max(w.abs()));
+                            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                                assert!(
+                                    (g - w).abs() <= tol * scale,
+                                    "{kv_type:?} {style:?} base {base} ff {} p {p} d {delta} [{i}]: {g} vs {w}",
+                                    factors.is_some()
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }
