@@ -135,4 +135,21 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+/// One q8_1 block from the 32 lanes of a warp, lane i holding value i: ggml's
+/// quantize_row_q8_1_ref (d = amax / 127, q = roundf(v / d), s = d * sum(q)) into the 36 bytes at
+/// `ob`. Called by all 32 lanes together.
+__device__ __forceinline__ void q8_1_warp(float v, uint8_t* ob) {
+  const int lane = threadIdx.x % 32;
+  const float amax = warp_max(fabsf(v));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  const int q = (int)roundf(v * id);
+  const float sum = warp_sum((float)q);  // exact: |sum| <= 32 * 127
+  reinterpret_cast<int8_t*>(ob + 4)[lane] = (int8_t)q;
+  if (lane == 0) {
+    reinterpret_cast<__half*>(ob)[0] = __float2half_rn(d);
+    reinterpret_cast<__half*>(ob)[1] = __float2half_rn(sum * d);
+  }
+}
+
 #define NEG_INF (-__int_as_float(0x7f800000))

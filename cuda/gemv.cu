@@ -197,24 +197,12 @@ extern "C" __global__ void __launch_bounds__(128)
 EMU_EXPORT(gemv_f32)
 
 /// q8_1 activations: one warp per 32-value block (x is rows × cols with cols % 32 == 0, so the
-/// blocks are contiguous). Same arithmetic as ggml's quantize_row_q8_1_ref: d = amax / 127,
-/// q = roundf(x / d), s = d * sum(q). Block (128), grid (ceil(n_blocks / 4)).
+/// blocks are contiguous), as `q8_1_warp`. Block (128), grid (ceil(n_blocks / 4)).
 extern "C" __global__ void __launch_bounds__(128)
     quantize_q8_1(const float* __restrict__ x, uint8_t* __restrict__ out, int n_blocks) {
-  const int lane = threadIdx.x % 32, b = blockIdx.x * 4 + threadIdx.x / 32;
+  const int b = blockIdx.x * 4 + threadIdx.x / 32;
   if (b >= n_blocks) return;
-  float v = x[(size_t)b * 32 + lane];
-  float amax = warp_max(fabsf(v));
-  float d = amax / 127.0f;
-  float id = d != 0.0f ? 1.0f / d : 0.0f;
-  int q = (int)roundf(v * id);
-  float sum = warp_sum((float)q);  // exact: |sum| <= 32 * 127
-  uint8_t* ob = out + (size_t)b * Q8_1_BYTES;
-  reinterpret_cast<int8_t*>(ob + 4)[lane] = (int8_t)q;
-  if (lane == 0) {
-    reinterpret_cast<__half*>(ob)[0] = __float2half_rn(d);
-    reinterpret_cast<__half*>(ob)[1] = __float2half_rn(sum * d);
-  }
+  q8_1_warp(x[(size_t)b * 32 + threadIdx.x % 32], out + (size_t)b * Q8_1_BYTES);
 }
 EMU_EXPORT(quantize_q8_1)
 

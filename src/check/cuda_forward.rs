@@ -29,6 +29,10 @@ pub struct ForwardCheck {
     pub scale: f32,
     /// Rows whose argmax differs.
     pub argmax_differs: usize,
+    /// The largest gap, over the rows whose argmax differs, between the CPU's logit of its own
+    /// argmax and its logit of the CUDA backend's (0 when none differs): how far from a tie the
+    /// CPU saw the two tokens.
+    pub worst_flip: f32,
     pub cpu_secs: f64,
     pub cuda_secs: f64,
 }
@@ -129,7 +133,7 @@ fn compare<B: Backend>(
     let (got, _) = run(&mut gpu, prompt, steps, Some(&tokens))?;
     // Reading the logits back waited for every kernel.
     let cuda_secs = t.elapsed().as_secs_f64();
-    let (mut max_diff, mut scale, mut argmax_differs) = (0f32, 0f32, 0);
+    let (mut max_diff, mut scale, mut argmax_differs, mut worst_flip) = (0f32, 0f32, 0, 0f32);
     for (a, b) in want.iter().zip(&got) {
         for (x, y) in a.iter().zip(b) {
             let d = if y.is_nan() {
@@ -140,13 +144,18 @@ fn compare<B: Backend>(
             max_diff = max_diff.max(d);
             scale = scale.max(x.abs());
         }
-        argmax_differs += (argmax(a) != argmax(b)) as usize;
+        let (ca, ga) = (argmax(a), argmax(b));
+        if ca != ga {
+            argmax_differs += 1;
+            worst_flip = worst_flip.max(a[ca] - a[ga]);
+        }
     }
     Ok(ForwardCheck {
         rows: want.len(),
         max_diff,
         scale,
         argmax_differs,
+        worst_flip,
         cpu_secs,
         cuda_secs,
     })

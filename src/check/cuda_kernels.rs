@@ -84,7 +84,7 @@ impl Ctx<'_> {
 }
 
 /// Max |a - b| / scale.
-fn max_rel(a: &[f32], b: &[f32], scale: f64) -> f64 {
+pub(super) fn max_rel(a: &[f32], b: &[f32], scale: f64) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)
@@ -98,7 +98,7 @@ fn max_rel(a: &[f32], b: &[f32], scale: f64) -> f64 {
         .fold(0.0, f64::max)
 }
 
-fn max_abs(v: &[f32]) -> f64 {
+pub(super) fn max_abs(v: &[f32]) -> f64 {
     v.iter().map(|x| x.abs() as f64).fold(1e-30, f64::max)
 }
 
@@ -128,6 +128,7 @@ pub fn run_all(l: &Arc<dyn Launch>) -> Result<Vec<Check>> {
     elementwise(&mut c)?;
     argmax(&mut c)?;
     top_k(&mut c)?;
+    super::cuda_fused::fused(l, &mut c.out)?;
     super::cuda_attention::attention(l, &mut c.out)?;
     Ok(c.out)
 }

@@ -6,16 +6,18 @@
 //! through the `Backend` trait and end the process with a message naming the op (a launch fails
 //! only for a lost device or a bug).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Result};
 use half::f16;
 
 use super::launch::{DevBuf, Launch};
-use super::ops::{self, AttnArgs};
+use super::ops::{self, AttnArgs, RopeKv};
 use crate::format::GgmlType;
 use crate::model::backend::{
-    AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+    attention_block_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend,
+    HeadCopy, KvType, MatmulJob, Rope, WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -52,6 +54,21 @@ pub struct CudaBackend {
     /// decode step asks for the same tables in every layer, so each is uploaded once per step.
     /// Kernels only read them.
     tables: Mutex<Vec<(Vec<i32>, DevBuf)>>,
+    /// Counts launches and activation uploads (through [`CudaBackend::l`]): what [`Q8Ready`] was
+    /// stamped with is still true while the count has not moved.
+    epoch: AtomicU64,
+    /// The q8_1 blocks a fused kernel (norm, GLU) wrote of its output, for the matmul that reads
+    /// that output next (it then skips its own quantize launch).
+    q8_ready: Mutex<Option<Q8Ready>>,
+}
+
+/// q8_1 blocks of an activation, valid while [`CudaBackend::epoch`] equals `epoch`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Q8Ready {
+    act: u64,
+    values: usize,
+    q8: u64,
+    epoch: u64,
 }
 
 /// Index tables kept by [`CudaBackend::ints`]; an op uses at most 3, so none it asked for is
@@ -79,7 +96,47 @@ impl CudaBackend {
             l,
             scratch: Mutex::new([None, None]),
             tables: Mutex::new(Vec::with_capacity(TABLES)),
+            epoch: AtomicU64::new(0),
+            q8_ready: Mutex::new(None),
         }
+    }
+
+    /// The launcher, for one op: every launch and upload of an activation goes through here, so
+    /// that a fused kernel's q8_1 blocks are known stale once anything else ran (a new activation
+    /// at a freed one's address is caught in `act`).
+    fn l(&self) -> &dyn Launch {
+        self.epoch.fetch_add(1, Ordering::Relaxed);
+        &*self.l
+    }
+
+    /// Records that `q8` holds the q8_1 blocks of `a` (just written by the last launch).
+    fn set_q8(&self, a: &CudaAct, q8: u64) {
+        let r = Q8Ready {
+            act: a.buf.ptr,
+            values: a.rows * a.cols,
+            q8,
+            epoch: self.epoch.load(Ordering::Relaxed),
+        };
+        *self.q8_ready.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+    }
+
+    /// The q8_1 blocks of `x` if the last launch wrote them and nothing ran since.
+    fn q8_of(&self, x: &CudaAct) -> Option<u64> {
+        let r = self
+            .q8_ready
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()?;
+        let now = self.epoch.load(Ordering::Relaxed);
+        (r.act == x.buf.ptr && r.values == x.rows * x.cols && r.epoch == now).then_some(r.q8)
+    }
+
+    /// q8_1 scratch for `values` activations (a multiple of 32), or None if they cannot be.
+    fn q8_scratch(&self, values: usize, cols: usize) -> Result<Option<u64>> {
+        if !cols.is_multiple_of(32) {
+            return Ok(None);
+        }
+        Ok(Some(self.scratch(Q8, values / 32 * ops::Q8_1_BYTES)?))
     }
 
     pub fn launcher(&self) -> &Arc<dyn Launch> {
@@ -90,7 +147,10 @@ impl CudaBackend {
     pub fn upload(&self, a: &mut CudaAct, data: &[f32]) {
         assert_eq!(data.len(), a.rows * a.cols, "upload: shape");
         let bytes = super::launch::f32_bytes(data);
-        ok("uploading an activation", self.l.upload(a.buf.ptr, &bytes))
+        ok(
+            "uploading an activation",
+            self.l().upload(a.buf.ptr, &bytes),
+        )
     }
 
     /// Device memory bandwidth in bytes/s (read + written), for `infer bench`: one `scale` pass
@@ -98,7 +158,7 @@ impl CudaBackend {
     pub fn stream_bandwidth(&self, buf: &DevBuf) -> Result<f64> {
         self.l.sync()?;
         let t0 = std::time::Instant::now();
-        ops::scale(&*self.l, buf.ptr, 1.0, buf.bytes / 4)?;
+        ops::scale(self.l(), buf.ptr, 1.0, buf.bytes / 4)?;
         self.l.sync()?;
         Ok(2.0 * buf.bytes as f64 / t0.elapsed().as_secs_f64())
     }
@@ -128,12 +188,15 @@ impl CudaBackend {
     }
 
     fn try_matmul_many(&self, x: &CudaAct, jobs: &mut [MatmulJob<'_, Self>]) -> Result<()> {
-        let l = &*self.l;
         let n = x.rows;
         let need_q8 = jobs
             .iter()
             .any(|(w, _, _)| ops::gemv_kernel(w.ty).is_some_and(|(_, q)| q));
-        let q8 = if need_q8 {
+        let ready = self.q8_of(x);
+        let l = self.l();
+        let q8 = if let Some(q8) = ready.filter(|_| need_q8) {
+            q8 // a fused norm or GLU just wrote them
+        } else if need_q8 {
             if !x.cols.is_multiple_of(32) {
                 bail!("matmul input width {} is not a multiple of 32", x.cols);
             }
@@ -171,6 +234,76 @@ impl CudaBackend {
             }
         }
         Ok(())
+    }
+
+    /// `add_rms_norm_q8` over whole rows: with `y`, x += y (normed by its weights first when
+    /// given; x is written only then); out = rms_norm(x) * w, and its q8_1 blocks on record for
+    /// the next matmul.
+    fn try_norm(
+        &self,
+        x: &CudaAct,
+        y: Option<(&CudaAct, Option<&CudaVec>)>,
+        w: &CudaVec,
+        eps: f32,
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        let q8 = self.q8_scratch(x.rows * x.cols, x.cols)?;
+        let y = y.map(|(y, yn)| (y.buf.ptr, yn.map(|v| v.buf.ptr)));
+        let (x_ptr, shape) = (x.buf.ptr, (x.rows, x.cols));
+        ops::add_rms_norm_q8(self.l(), x_ptr, y, w.buf.ptr, out.buf.ptr, q8, shape, eps)?;
+        if let Some(q8) = q8 {
+            self.set_q8(out, q8);
+        }
+        Ok(())
+    }
+
+    /// [`Backend::attention_block`] in four steps: the Q/K/V products (one quantize of h, if
+    /// the norm before did not leave it quantized already), `rope_kv` (q/k norms, RoPE, q's
+    /// scale and the KV write in one kernel), attention, and the output product.
+    #[allow(clippy::too_many_arguments)]
+    fn try_attention_block(
+        &self,
+        h: &CudaAct,
+        blk: &AttnBlock<'_, Self>,
+        kv: &mut CudaKv,
+        layer: usize,
+        batch: &AttnBatch<'_, '_>,
+        s: AttnScratch<'_, Self>,
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        self.try_matmul_many(
+            h,
+            &mut [
+                (blk.wq, blk.bq, &mut *s.q),
+                (blk.wk, blk.bk, &mut *s.k),
+                (blk.wv, blk.bv, &mut *s.v),
+            ],
+        )?;
+        let sh = batch.shape;
+        let r = RopeKv {
+            n_head: sh.n_head,
+            n_head_kv: sh.n_head_kv,
+            head_dim: sh.head_dim,
+            base: blk.rope.base,
+            style: blk.rope.style,
+            ff: blk.rope_freqs.map(|f| f.buf.ptr),
+            q_norm: blk.q_norm.map(|v| v.buf.ptr),
+            k_norm: blk.k_norm.map(|v| v.buf.ptr),
+            eps: blk.norm_eps,
+            q_scale: blk.q_scale.unwrap_or(1.0),
+        };
+        let slots = self.ints(&i32s(batch.slots.iter().copied()))?;
+        let pos = self.ints(&i32s(batch.positions.iter().map(|&p| p as usize)))?;
+        ops::rope_kv(
+            self.l(),
+            (s.q.buf.ptr, s.k.buf.ptr, s.v.buf.ptr),
+            (kv.k[layer].ptr, kv.v[layer].ptr),
+            (slots, pos),
+            s.q.rows,
+            &r,
+        )?;
+        self.try_attention(s.q, kv, layer, batch.queries, sh, s.attn)?;
+        self.try_matmul_many(s.attn, &mut [(blk.wo, None, out)])
     }
 
     fn try_attention(
@@ -220,9 +353,9 @@ impl CudaBackend {
         };
         if tiled {
             let tiles_d = self.ints(&tiles)?;
-            return ops::attention_prefill(&*self.l, &a, tiles_d, tiles.len() / 2);
+            return ops::attention_prefill(self.l(), &a, tiles_d, tiles.len() / 2);
         }
-        ops::attention(&*self.l, &a)
+        ops::attention(self.l(), &a)
     }
 }
 
@@ -315,6 +448,12 @@ impl Backend for CudaBackend {
             "allocating an activation",
             DevBuf::new(&self.l, rows * cols * 4),
         );
+        // The activation whose q8_1 blocks are on record was freed if this one took its place.
+        let mut r = self.q8_ready.lock().unwrap_or_else(|p| p.into_inner());
+        if r.is_some_and(|r| r.act == buf.ptr) {
+            *r = None;
+        }
+        drop(r);
         CudaAct { buf, rows, cols }
     }
 
@@ -328,7 +467,7 @@ impl Backend for CudaBackend {
             (|| {
                 let ids = self.ints(&i32s(tokens.iter().map(|&t| t as usize)))?;
                 ops::get_rows(
-                    &*self.l,
+                    self.l(),
                     table.ty,
                     table.buf.ptr,
                     ids,
@@ -341,11 +480,15 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaAct, w: &CudaVec, eps: f32, out: &mut CudaAct) {
+        if w.len == x.cols {
+            // A whole row: the fused kernel, which also quantizes it for the next matmul.
+            return ok("rms_norm", self.try_norm(x, None, w, eps, out));
+        }
         let groups = x.rows * x.cols / w.len;
         ok(
             "rms_norm",
             ops::rms_norm(
-                &*self.l,
+                self.l(),
                 x.buf.ptr,
                 w.buf.ptr,
                 out.buf.ptr,
@@ -356,12 +499,45 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaAct,
+        y: &mut CudaAct,
+        y_norm: Option<&CudaVec>,
+        w: &CudaVec,
+        eps: f32,
+        out: &mut CudaAct,
+    ) {
+        assert_eq!(
+            (x.rows, x.cols),
+            (y.rows, y.cols),
+            "add_rms_norm: shapes differ"
+        );
+        if w.len != x.cols {
+            if let Some(yn) = y_norm {
+                self.rms_norm_inplace(y, yn, eps);
+            }
+            self.add(x, y);
+            return self.rms_norm(x, w, eps, out);
+        }
+        ok(
+            "add_rms_norm",
+            self.try_norm(x, Some((y, y_norm)), w, eps, out),
+        )
+    }
+
     fn rms_norm_inplace(&self, x: &mut CudaAct, w: &CudaVec, eps: f32) {
         let groups = x.rows * x.cols / w.len;
         ok(
             "rms_norm",
             ops::rms_norm(
-                &*self.l, x.buf.ptr, w.buf.ptr, x.buf.ptr, groups, w.len, eps,
+                self.l(),
+                x.buf.ptr,
+                w.buf.ptr,
+                x.buf.ptr,
+                groups,
+                w.len,
+                eps,
             ),
         )
     }
@@ -381,7 +557,7 @@ impl Backend for CudaBackend {
                 let pos = self.ints(&i32s(positions.iter().map(|&p| p as usize)))?;
                 let ff = ff.map(|f| f.buf.ptr);
                 ops::rope(
-                    &*self.l,
+                    self.l(),
                     x.buf.ptr,
                     pos,
                     ff,
@@ -395,27 +571,51 @@ impl Backend for CudaBackend {
     }
 
     fn scale(&self, x: &mut CudaAct, s: f32) {
-        ok("scale", ops::scale(&*self.l, x.buf.ptr, s, x.rows * x.cols))
+        ok("scale", ops::scale(self.l(), x.buf.ptr, s, x.rows * x.cols))
     }
 
     fn add(&self, x: &mut CudaAct, y: &CudaAct) {
         assert_eq!((x.rows, x.cols), (y.rows, y.cols), "add: shapes differ");
         ok(
             "add",
-            ops::add(&*self.l, x.buf.ptr, y.buf.ptr, x.rows * x.cols),
+            ops::add(self.l(), x.buf.ptr, y.buf.ptr, x.rows * x.cols),
         )
     }
 
     fn glu(&self, gate: &mut CudaAct, up: &CudaAct, act: Activation) {
         ok(
             "glu",
-            ops::glu(
-                &*self.l,
-                gate.buf.ptr,
-                up.buf.ptr,
-                gate.rows * gate.cols,
-                act,
-            ),
+            (|| {
+                let n = gate.rows * gate.cols;
+                match self.q8_scratch(n, gate.cols)? {
+                    Some(q8) => {
+                        ops::glu_q8(self.l(), gate.buf.ptr, up.buf.ptr, q8, n, act)?;
+                        self.set_q8(gate, q8);
+                        Ok(())
+                    }
+                    None => ops::glu(self.l(), gate.buf.ptr, up.buf.ptr, n, act),
+                }
+            })(),
+        )
+    }
+
+    fn attention_block(
+        &self,
+        h: &CudaAct,
+        blk: &AttnBlock<'_, Self>,
+        kv: &mut CudaKv,
+        layer: usize,
+        batch: &AttnBatch<'_, '_>,
+        s: AttnScratch<'_, Self>,
+        out: &mut CudaAct,
+    ) {
+        let hd = batch.shape.head_dim;
+        if !hd.is_multiple_of(2) || hd > ops::ATTN_MAX_HD || blk.rope.head_dim != hd {
+            return attention_block_steps(self, h, blk, kv, layer, batch, s, out);
+        }
+        ok(
+            "attention_block",
+            self.try_attention_block(h, blk, kv, layer, batch, s, out),
         )
     }
 
@@ -444,7 +644,7 @@ impl Backend for CudaBackend {
                 let s = self.ints(&i32s(slots.iter().copied()))?;
                 let caches = (kv.k[layer].ptr, kv.v[layer].ptr);
                 ops::kv_write(
-                    &*self.l,
+                    self.l(),
                     caches,
                     (k.buf.ptr, v.buf.ptr),
                     s,
@@ -479,7 +679,7 @@ impl Backend for CudaBackend {
             (|| {
                 let r = self.ints(&i32s(rows.iter().copied()))?;
                 let s = DevBuf::from_f32(&self.l, scales)?;
-                ops::add_rows_scaled(&*self.l, x.buf.ptr, y.buf.ptr, r, s.ptr, rows.len(), x.cols)
+                ops::add_rows_scaled(self.l(), x.buf.ptr, y.buf.ptr, r, s.ptr, rows.len(), x.cols)
             })(),
         )
     }
@@ -488,7 +688,7 @@ impl Backend for CudaBackend {
         ok(
             "copy_heads",
             ops::copy_heads(
-                &*self.l,
+                self.l(),
                 src.buf.ptr,
                 dst.buf.ptr,
                 src.rows,
@@ -505,7 +705,7 @@ impl Backend for CudaBackend {
                 "gather_rows",
                 (|| {
                     let idx = self.ints(&i32s(rows.iter().copied()))?;
-                    ops::gather_rows(&*self.l, x.buf.ptr, idx, out.buf.ptr, rows.len(), x.cols)
+                    ops::gather_rows(self.l(), x.buf.ptr, idx, out.buf.ptr, rows.len(), x.cols)
                 })(),
             );
         }

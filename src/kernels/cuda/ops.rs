@@ -210,17 +210,135 @@ pub fn rope(
     l.launch("rope", grid1(rows * cols / 2, 256), [256, 1, 1], &args)
 }
 
-pub fn glu(l: &dyn Launch, gate: u64, up: u64, n: usize, act: Activation) -> Result<()> {
-    let code = match act {
+/// One row-wise stretch of `add_rms_norm_q8` (fused.cu): with `y = Some((y, yw))`, `x += y`
+/// (y RMS-normed by `yw` first when given); then `out = rms_norm(x) * w` over rows of `n`, and its
+/// q8_1 blocks into `q8` when given (`n` a multiple of 32).
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_q8(
+    l: &dyn Launch,
+    x: u64,
+    y: Option<(u64, Option<u64>)>,
+    w: u64,
+    out: u64,
+    q8: Option<u64>,
+    (rows, n): (usize, usize),
+    eps: f32,
+) -> Result<()> {
+    if q8.is_some() && !n.is_multiple_of(32) {
+        bail!("add_rms_norm_q8: rows of {n} cannot be quantized to q8_1");
+    }
+    let (y, yw) = match y {
+        Some((y, yw)) => (y, yw.unwrap_or(0)),
+        None => (0, 0),
+    };
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(y),
+        Arg::Ptr(yw),
+        Arg::Ptr(w),
+        Arg::Ptr(out),
+        Arg::Ptr(q8.unwrap_or(0)),
+        i32a(n),
+        Arg::F32(eps),
+    ];
+    l.launch("add_rms_norm_q8", [rows as u32, 1, 1], [256, 1, 1], &args)
+}
+
+/// What [`rope_kv`] does to each head besides rotating it.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeKv {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub base: f32,
+    pub style: RopeStyle,
+    /// Frequency factors (head_dim / 2), device f32.
+    pub ff: Option<u64>,
+    /// Per-head RMS norm weights of q and of k (head_dim), device f32.
+    pub q_norm: Option<u64>,
+    pub k_norm: Option<u64>,
+    pub eps: f32,
+    /// Multiplies q after RoPE (1.0: none).
+    pub q_scale: f32,
+}
+
+/// The fused `rope_kv` (fused.cu) over `rows` rows: q (rows × n_head·head_dim) normed, rotated
+/// and scaled in place; k normed and rotated and v copied, both as f16, into the caches at device
+/// i32 `slots` (k is not written). `pos`: device i32 per row.
+pub fn rope_kv(
+    l: &dyn Launch,
+    (q, k, v): (u64, u64, u64),
+    (kc, vc): (u64, u64),
+    (slots, pos): (u64, u64),
+    rows: usize,
+    r: &RopeKv,
+) -> Result<()> {
+    if !r.head_dim.is_multiple_of(2) || r.head_dim > ATTN_MAX_HD {
+        bail!(
+            "rope_kv: head_dim {} (even, at most {ATTN_MAX_HD})",
+            r.head_dim
+        );
+    }
+    let theta_scale = r.base.powf(-2.0 / r.head_dim as f32);
+    let args = [
+        Arg::Ptr(q),
+        Arg::Ptr(k),
+        Arg::Ptr(v),
+        Arg::Ptr(kc),
+        Arg::Ptr(vc),
+        Arg::Ptr(slots),
+        Arg::Ptr(pos),
+        Arg::Ptr(r.ff.unwrap_or(0)),
+        Arg::Ptr(r.q_norm.unwrap_or(0)),
+        Arg::Ptr(r.k_norm.unwrap_or(0)),
+        i32a(r.n_head),
+        i32a(r.n_head_kv),
+        i32a(r.head_dim),
+        Arg::F32(theta_scale),
+        Arg::I32((r.style == RopeStyle::Neox) as i32),
+        Arg::F32(r.q_scale),
+        Arg::F32(r.eps),
+    ];
+    let grid = [rows as u32, (r.n_head + r.n_head_kv) as u32, 1];
+    l.launch("rope_kv", grid, [128, 1, 1], &args)
+}
+
+/// `gate = act(gate) * up` over `n` values (a multiple of 32) and its q8_1 blocks into `q8`.
+pub fn glu_q8(
+    l: &dyn Launch,
+    gate: u64,
+    up: u64,
+    q8: u64,
+    n: usize,
+    act: Activation,
+) -> Result<()> {
+    if !n.is_multiple_of(32) {
+        bail!("glu_q8: {n} values cannot be quantized to q8_1");
+    }
+    let args = [
+        Arg::Ptr(gate),
+        Arg::Ptr(up),
+        Arg::Ptr(q8),
+        Arg::I64(n as i64),
+        Arg::I32(act_code(act)),
+    ];
+    l.launch("glu_q8", grid1(n, 128), [128, 1, 1], &args)
+}
+
+fn act_code(act: Activation) -> i32 {
+    match act {
         Activation::Silu => 0,
         Activation::GeluTanh => 1,
         Activation::GeluTanhF32 => 2,
-    };
+    }
+}
+
+pub fn glu(l: &dyn Launch, gate: u64, up: u64, n: usize, act: Activation) -> Result<()> {
     let args = [
         Arg::Ptr(gate),
         Arg::Ptr(up),
         Arg::I64(n as i64),
-        Arg::I32(code),
+        Arg::I32(act_code(act)),
     ];
     l.launch("glu", grid1(n, 256), [256, 1, 1], &args)
 }
