@@ -29,7 +29,8 @@ use std::sync::{Arc, Mutex};
 
 use common::{infer, root, stderr};
 use infer::check::cuda_forward as check_forward;
-use infer::kernels::cuda::launch::{Arg, Launch};
+use infer::kernels::cuda::launch::{Arg, Launch, Timed};
+use infer::kernels::cuda::profile;
 
 fn convert(src: &Path, name: &str, ty: &str) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cuda-forward");
@@ -265,10 +266,12 @@ fn split_across_devices_matches_the_cpu() {
     report(r, "qwen2 f32, 1 of 2 layers on CUDA", 1e-3);
 }
 
-/// Counts the kernels launched through it, by name.
+/// Records the kernels launched through it, each timed on the host (the emulator runs a launch
+/// to completion before it returns).
 struct Counting {
     inner: Arc<dyn Launch>,
     names: Mutex<Vec<String>>,
+    timed: Mutex<Vec<Timed>>,
 }
 
 impl Launch for Counting {
@@ -295,7 +298,15 @@ impl Launch for Counting {
         args: &[Arg],
     ) -> anyhow::Result<()> {
         self.names.lock().unwrap().push(name.to_string());
-        self.inner.launch(name, grid, block, args)
+        let t = std::time::Instant::now();
+        self.inner.launch(name, grid, block, args)?;
+        self.timed.lock().unwrap().push(Timed {
+            name: name.to_string(),
+            grid,
+            args: args.to_vec(),
+            secs: t.elapsed().as_secs_f64(),
+        });
+        Ok(())
     }
     fn sync(&self) -> anyhow::Result<()> {
         self.inner.sync()
@@ -317,6 +328,7 @@ fn a_decode_step_launches_the_fused_kernels() {
         let counting = Arc::new(Counting {
             inner: cuda_emu::emulator(),
             names: Mutex::new(Vec::new()),
+            timed: Mutex::new(Vec::new()),
         });
         check_forward::forward(counting.clone(), &path, &[7], 0).unwrap();
         let names = counting.names.lock().unwrap();
@@ -333,5 +345,25 @@ fn a_decode_step_launches_the_fused_kernels() {
         assert_eq!(count("glu_q8"), n_layer, "{name}");
         assert_eq!(count("quantize_q8_1"), n_layer, "{name}");
         assert_eq!(names.len(), 13 * n_layer + 3, "{name}");
+
+        // `bench --profile`'s byte counts: the step's matrix products read every matrix of the
+        // file once (the embedding table only when it is also the head), and every kernel but
+        // attention and the embedding lookup has a figure.
+        let timed = counting.timed.lock().unwrap();
+        let read: u64 = timed.iter().filter_map(profile::weight_bytes).sum();
+        let tied = g.tensor("output.weight").is_none();
+        let matrices: u64 = g
+            .tensors
+            .iter()
+            .filter(|t| t.dims.len() == 2 && (tied || t.name != "token_embd.weight"))
+            .map(|t| t.size_bytes as u64)
+            .sum();
+        assert_eq!(read, matrices, "{name}: weight bytes of a step");
+        for k in profile::summarize(&timed, 1) {
+            let known = !matches!(k.name.as_str(), "attn_split" | "attn_merge")
+                && !k.name.starts_with("get_rows");
+            assert_eq!(k.bytes.is_some(), known, "{name}: {}", k.name);
+            assert!(k.secs > 0.0 && k.launches >= 1.0, "{name}: {k:?}");
+        }
     }
 }

@@ -14,4 +14,5 @@ mod graphs;
 pub mod launch;
 pub mod module;
 pub mod ops;
+pub mod profile;
 pub mod vram;
