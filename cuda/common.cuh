@@ -105,6 +105,19 @@ __device__ __forceinline__ int load_i32_a4(const uint8_t* p) {
   return *reinterpret_cast<const int*>(p);
 }
 
+/// Reads 16 bytes at a 16-byte-aligned address as four ints: one 128-bit load on the GPU.
+__device__ __forceinline__ void load_i32x4_a16(const uint8_t* p, int (&v)[4]) {
+#ifdef INFER_CUDA_EMU
+  memcpy(v, p, 16);
+#else
+  const int4 q = *reinterpret_cast<const int4*>(p);
+  v[0] = q.x;
+  v[1] = q.y;
+  v[2] = q.z;
+  v[3] = q.w;
+#endif
+}
+
 __device__ __forceinline__ float load_half(const uint8_t* p) {
   return __half2float(*reinterpret_cast<const __half*>(p));
 }

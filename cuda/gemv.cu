@@ -6,6 +6,8 @@
 // each output (bias[row]) as the result is stored, saving an add_bias launch. Also the row dequantizers used
 // for embedding lookups. Launch: block (128) = 4 warps = 4 output rows; grid (ceil(rows/4),
 // ceil(tokens/8)). Every weight row starts at a multiple of its block size (2-byte aligned).
+// Q4_K, the bulk of a Q4_K_M file, has its own kernel with 128-bit loads (`gemv_q4_k`: its
+// 144-byte blocks stay 16-byte aligned).
 #include "common.cuh"
 
 /// One 32-value sub-block unpacked: value k = (k < 16 ? s0 : s1) * q_k - mn, with q_k the k-th
@@ -179,8 +181,83 @@ __device__ __forceinline__ void gemv_float(const W* __restrict__ w, const float*
 GEMV_Q(Q4_0, gemv_q4_0)
 GEMV_Q(Q5_0, gemv_q5_0)
 GEMV_Q(Q8_0, gemv_q8_0)
-GEMV_Q(Q4_K, gemv_q4_k)
 GEMV_Q(Q6_K, gemv_q6_k)
+
+/// Byte k (0..11) of a k-quant super-block's scales held in hd[1..3] (read as ints), without
+/// indexing a register array at run time.
+__device__ __forceinline__ int scale_byte(const int (&hd)[4], int k) {
+  const uint32_t w = (uint32_t)(k < 4 ? hd[1] : k < 8 ? hd[2] : hd[3]);
+  return (int)((w >> (8 * (k % 4))) & 0xff);
+}
+
+/// `scale_min_k4` from the scales in registers (hd as `scale_byte` reads it).
+__device__ __forceinline__ void scale_min_k4_regs(int j, const int (&hd)[4], int* sc, int* m) {
+  if (j < 4) {
+    *sc = scale_byte(hd, j) & 63;
+    *m = scale_byte(hd, j + 4) & 63;
+  } else {
+    *sc = (scale_byte(hd, j + 4) & 0xF) | ((scale_byte(hd, j - 4) >> 6) << 4);
+    *m = (scale_byte(hd, j + 4) >> 4) | ((scale_byte(hd, j) >> 6) << 4);
+  }
+}
+
+/// Q4_K with 128-bit loads (a Q4_K row is 144-byte blocks, so with a 16-byte-aligned matrix every
+/// block's 128 quant bytes are 16-byte aligned): lane task k of a row takes block k / 8 and its
+/// quant bytes 16 (k % 8) .. 16 (k % 8) + 15, whose low nibbles are values 16 h .. 16 h + 15 of
+/// sub-block 2 j and whose high nibbles the same of sub-block 2 j + 1 (j = k % 8 / 2, h = k % 2).
+/// Eight neighbouring lanes read one block's 128 contiguous bytes in eight loads (and its 16-byte
+/// header in one each), where the generic kernel's lane read 32 bytes for 32 values as sixteen
+/// 2-byte loads. Each sub-block's min term (dmin · m · the q8_1 block's sum) is taken by its h = 0
+/// lane. Same launch as every gemv_* kernel.
+extern "C" __global__ void __launch_bounds__(128)
+    gemv_q4_k(const uint8_t* __restrict__ w, const uint8_t* __restrict__ xq,
+              float* __restrict__ out, int rows, int cols, int ntok,
+              const float* __restrict__ bias) {
+  const int lane = threadIdx.x % 32, row = blockIdx.x * GEMV_ROWS + threadIdx.x / 32;
+  if (row >= rows) return;  // a whole warp leaves together; no block-wide barrier follows
+  const int t0 = blockIdx.y * GEMV_TOKENS;
+  const int nt = min(GEMV_TOKENS, ntok - t0);
+  const int nblk = cols / QK_K, nsub = cols / 32;
+  const uint8_t* wrow = w + (size_t)row * nblk * Q4_K_BYTES;
+  float acc[GEMV_TOKENS];
+#pragma unroll
+  for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = 0.0f;
+  for (int task = lane; task < nblk * 8; task += 32) {
+    const int b = task / 8, part = task % 8, j = part / 2, h = part % 2;
+    const uint8_t* blk = wrow + (size_t)b * Q4_K_BYTES;
+    int q[4], hd[4];
+    load_i32x4_a16(blk + 16 + 16 * part, q);
+    load_i32x4_a16(blk, hd);  // d, dmin, scales[12]: one load, the same for 8 lanes
+    const float d = __half2float(__ushort_as_half((unsigned short)(hd[0] & 0xffff)));
+    const float dmin = __half2float(__ushort_as_half((unsigned short)((uint32_t)hd[0] >> 16)));
+    int sc0, m0, sc1, m1;
+    scale_min_k4_regs(2 * j, hd, &sc0, &m0);
+    scale_min_k4_regs(2 * j + 1, hd, &sc1, &m1);
+    const float ds0 = d * (float)sc0, ds1 = d * (float)sc1;
+    const float mn0 = h == 0 ? dmin * (float)m0 : 0.0f, mn1 = h == 0 ? dmin * (float)m1 : 0.0f;
+#pragma unroll
+    for (int t = 0; t < GEMV_TOKENS; t++) {
+      if (t < nt) {
+        const uint8_t* x0 = xq + ((size_t)(t0 + t) * nsub + b * 8 + 2 * j) * Q8_1_BYTES;
+        const uint8_t* x1 = x0 + Q8_1_BYTES;
+        int sl = 0, sh = 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+          sl = dp4a_s8(q[k] & 0x0F0F0F0F, load_i32_a4(x0 + 4 + 16 * h + 4 * k), sl);
+          sh = dp4a_s8((q[k] >> 4) & 0x0F0F0F0F, load_i32_a4(x1 + 4 + 16 * h + 4 * k), sh);
+        }
+        acc[t] += ds0 * load_half(x0) * (float)sl + ds1 * load_half(x1) * (float)sh -
+                  (mn0 * load_half(x0 + 2) + mn1 * load_half(x1 + 2));
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < GEMV_TOKENS; t++) {
+    float v = warp_sum(acc[t]);
+    if (lane == 0 && t < nt) out[(size_t)(t0 + t) * rows + row] = bias ? v + bias[row] : v;
+  }
+}
+EMU_EXPORT(gemv_q4_k)
 
 extern "C" __global__ void __launch_bounds__(128)
     gemv_f16(const __half* w, const float* x, float* out, int rows, int cols, int nt,

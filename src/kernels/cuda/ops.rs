@@ -94,6 +94,9 @@ pub fn gemv(
     let Some((name, _)) = gemv_kernel(ty) else {
         bail!("no CUDA matmul kernel for {}", ty.name());
     };
+    if ty == GgmlType::Q4K && !w.is_multiple_of(16) {
+        bail!("gemv_q4_k reads 16-byte-aligned weights (at {w:#x})");
+    }
     let grid = [
         rows.div_ceil(4) as u32,
         ntok.div_ceil(GEMV_TOKENS) as u32,
