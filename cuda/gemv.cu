@@ -112,8 +112,8 @@ struct Q6_K {
 template <typename T>
 __device__ __forceinline__ void gemv_q(const uint8_t* __restrict__ w, const uint8_t* __restrict__ xq,
                                        float* __restrict__ out, int rows, int cols, int ntok,
-                                       const float* __restrict__ bias) {
-  const int lane = threadIdx.x % 32, row = blockIdx.x * GEMV_ROWS + threadIdx.x / 32;
+                                       const float* __restrict__ bias, int rb) {
+  const int lane = threadIdx.x % 32, row = rb * GEMV_ROWS + threadIdx.x / 32;
   if (row >= rows) return;  // a whole warp leaves together; no block-wide barrier follows
   const int t0 = blockIdx.y * GEMV_TOKENS;
   const int nt = min(GEMV_TOKENS, ntok - t0);
@@ -175,7 +175,7 @@ __device__ __forceinline__ void gemv_float(const W* __restrict__ w, const float*
   extern "C" __global__ void __launch_bounds__(128)                                                \
       name(const uint8_t* w, const uint8_t* xq, float* out, int rows, int cols, int nt,            \
            const float* bias) {                                                                    \
-    gemv_q<T>(w, xq, out, rows, cols, nt, bias);                                                   \
+    gemv_q<T>(w, xq, out, rows, cols, nt, bias, blockIdx.x);                                       \
   }                                                                                                \
   EMU_EXPORT(name)
 GEMV_Q(Q4_0, gemv_q4_0)
@@ -209,11 +209,11 @@ __device__ __forceinline__ void scale_min_k4_regs(int j, const int (&hd)[4], int
 /// header in one each), where the generic kernel's lane read 32 bytes for 32 values as sixteen
 /// 2-byte loads. Each sub-block's min term (dmin · m · the q8_1 block's sum) is taken by its h = 0
 /// lane. Same launch as every gemv_* kernel.
-extern "C" __global__ void __launch_bounds__(128)
-    gemv_q4_k(const uint8_t* __restrict__ w, const uint8_t* __restrict__ xq,
-              float* __restrict__ out, int rows, int cols, int ntok,
-              const float* __restrict__ bias) {
-  const int lane = threadIdx.x % 32, row = blockIdx.x * GEMV_ROWS + threadIdx.x / 32;
+__device__ __forceinline__ void gemv_q4k(const uint8_t* __restrict__ w,
+                                         const uint8_t* __restrict__ xq, float* __restrict__ out,
+                                         int rows, int cols, int ntok,
+                                         const float* __restrict__ bias, int rb) {
+  const int lane = threadIdx.x % 32, row = rb * GEMV_ROWS + threadIdx.x / 32;
   if (row >= rows) return;  // a whole warp leaves together; no block-wide barrier follows
   const int t0 = blockIdx.y * GEMV_TOKENS;
   const int nt = min(GEMV_TOKENS, ntok - t0);
@@ -257,7 +257,39 @@ extern "C" __global__ void __launch_bounds__(128)
     if (lane == 0 && t < nt) out[(size_t)(t0 + t) * rows + row] = bias ? v + bias[row] : v;
   }
 }
+
+extern "C" __global__ void __launch_bounds__(128)
+    gemv_q4_k(const uint8_t* w, const uint8_t* xq, float* out, int rows, int cols, int nt,
+              const float* bias) {
+  gemv_q4k(w, xq, out, rows, cols, nt, bias, blockIdx.x);
+}
 EMU_EXPORT(gemv_q4_k)
+
+/// Up to three matrices of one type and width that read the same q8_1 activations (Q, K and V;
+/// gate and up) in one launch: grid (sum of ceil(rows_j / 4), ceil(tokens / 8)), block (128);
+/// block x takes the rows of matrix 0, then 1, then 2, each as its gemv_* kernel would (a matrix
+/// of 0 rows takes no blocks).
+#define GEMV_MULTI(FN, name)                                                                       \
+  extern "C" __global__ void __launch_bounds__(128)                                                \
+      name(const uint8_t* xq, int cols, int nt, const uint8_t* w0, float* out0, const float* b0,   \
+           int rows0, const uint8_t* w1, float* out1, const float* b1, int rows1,                  \
+           const uint8_t* w2, float* out2, const float* b2, int rows2) {                           \
+    const int n0 = (rows0 + GEMV_ROWS - 1) / GEMV_ROWS, n1 = (rows1 + GEMV_ROWS - 1) / GEMV_ROWS;  \
+    const int rb = blockIdx.x;                                                                     \
+    if (rb < n0) {                                                                                 \
+      FN(w0, xq, out0, rows0, cols, nt, b0, rb);                                                   \
+    } else if (rb < n0 + n1) {                                                                     \
+      FN(w1, xq, out1, rows1, cols, nt, b1, rb - n0);                                              \
+    } else {                                                                                       \
+      FN(w2, xq, out2, rows2, cols, nt, b2, rb - n0 - n1);                                         \
+    }                                                                                              \
+  }                                                                                                \
+  EMU_EXPORT(name)
+GEMV_MULTI(gemv_q<Q4_0>, gemv_multi_q4_0)
+GEMV_MULTI(gemv_q<Q5_0>, gemv_multi_q5_0)
+GEMV_MULTI(gemv_q<Q8_0>, gemv_multi_q8_0)
+GEMV_MULTI(gemv_q4k, gemv_multi_q4_k)
+GEMV_MULTI(gemv_q<Q6_K>, gemv_multi_q6_k)
 
 extern "C" __global__ void __launch_bounds__(128)
     gemv_f16(const __half* w, const float* x, float* out, int rows, int cols, int nt,

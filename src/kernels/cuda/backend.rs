@@ -206,7 +206,7 @@ impl CudaBackend {
         } else {
             0
         };
-        for (w, bias, out) in jobs.iter_mut() {
+        for (w, _, out) in jobs.iter() {
             if w.cols != x.cols || out.cols != w.rows || out.rows != n {
                 bail!(
                     "matmul shapes: weight {}x{}, input {}x{}, output {}x{}",
@@ -218,20 +218,45 @@ impl CudaBackend {
                     out.cols
                 );
             }
-            let quantized = ops::gemv_kernel(w.ty).is_some_and(|(_, q)| q);
+        }
+        // Prefill: tensor-core tiles read the weights n/64 times instead of n/8.
+        let tiled = |w: &CudaWeight| n > ops::GEMV_TOKENS && ops::gemm_kernel(w.ty).is_some();
+        let mut done = vec![false; jobs.len()];
+        for i in 0..jobs.len() {
+            if done[i] {
+                continue;
+            }
+            let (w, bias, out) = &jobs[i];
             let shape = (w.rows, w.cols, n);
-            if n > ops::GEMV_TOKENS && ops::gemm_kernel(w.ty).is_some() {
-                // Prefill: tensor-core tiles read the weights n/64 times instead of n/8.
+            if tiled(w) {
                 ops::gemm(l, w.ty, w.buf.ptr, q8, out.buf.ptr, shape)?;
                 if let Some(b) = bias {
                     ops::add_bias(l, out.buf.ptr, b.buf.ptr, n, w.rows)?;
                 }
-            } else {
-                // The GEMV adds the bias as it stores (one launch fewer per biased matmul).
-                let input = if quantized { q8 } else { x.buf.ptr };
-                let b = bias.map(|b| b.buf.ptr);
-                ops::gemv(l, w.ty, w.buf.ptr, input, out.buf.ptr, b, shape)?;
+                continue;
             }
+            // GEMVs add the bias as they store (one launch fewer per biased matmul), and up to
+            // three of one type (Q, K and V; gate and up) go in one launch.
+            let group: Vec<usize> = (i..jobs.len())
+                .filter(|&j| !done[j] && jobs[j].0.ty == w.ty && !tiled(jobs[j].0))
+                .take(ops::GEMV_MULTI)
+                .collect();
+            if group.len() > 1 && ops::gemv_multi_kernel(w.ty).is_some() {
+                let parts: Vec<ops::GemvPart> = group
+                    .iter()
+                    .map(|&j| {
+                        let (w, b, o) = &jobs[j];
+                        (w.buf.ptr, o.buf.ptr, b.map(|b| b.buf.ptr), w.rows)
+                    })
+                    .collect();
+                ops::gemv_multi(l, w.ty, q8, &parts, (x.cols, n))?;
+                group.iter().for_each(|&j| done[j] = true);
+                continue;
+            }
+            let quantized = ops::gemv_kernel(w.ty).is_some_and(|(_, q)| q);
+            let input = if quantized { q8 } else { x.buf.ptr };
+            let b = bias.map(|b| b.buf.ptr);
+            ops::gemv(l, w.ty, w.buf.ptr, input, out.buf.ptr, b, shape)?;
         }
         Ok(())
     }

@@ -114,6 +114,61 @@ pub fn gemv(
     l.launch(name, grid, [128, 1, 1], &args)
 }
 
+/// Most matrices one [`gemv_multi`] launch takes.
+pub const GEMV_MULTI: usize = 3;
+
+/// The kernel running up to [`GEMV_MULTI`] GEMVs of one quantized type in one launch.
+pub fn gemv_multi_kernel(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::Q4_0 => "gemv_multi_q4_0",
+        GgmlType::Q5_0 => "gemv_multi_q5_0",
+        GgmlType::Q8_0 => "gemv_multi_q8_0",
+        GgmlType::Q4K => "gemv_multi_q4_k",
+        GgmlType::Q6K => "gemv_multi_q6_k",
+        _ => return None,
+    })
+}
+
+/// One matrix of a [`gemv_multi`] launch: weight, output, optional bias, rows.
+pub type GemvPart = (u64, u64, Option<u64>, usize);
+
+/// [`gemv`] of up to [`GEMV_MULTI`] `rows_j × cols` matrices of type `ty` with the same `ntok`
+/// rows of q8_1 activations `xq`, in one launch.
+pub fn gemv_multi(
+    l: &dyn Launch,
+    ty: GgmlType,
+    xq: u64,
+    parts: &[GemvPart],
+    (cols, ntok): (usize, usize),
+) -> Result<()> {
+    let Some(name) = gemv_multi_kernel(ty) else {
+        bail!("no multi-matrix CUDA GEMV for {}", ty.name());
+    };
+    if parts.is_empty() || parts.len() > GEMV_MULTI {
+        bail!(
+            "gemv_multi takes 1 to {GEMV_MULTI} matrices, not {}",
+            parts.len()
+        );
+    }
+    if ty == GgmlType::Q4K && parts.iter().any(|p| !p.0.is_multiple_of(16)) {
+        bail!("gemv_multi_q4_k reads 16-byte-aligned weights");
+    }
+    let mut args = vec![Arg::Ptr(xq), i32a(cols), i32a(ntok)];
+    let mut blocks = 0;
+    for j in 0..GEMV_MULTI {
+        let (w, out, bias, rows) = parts.get(j).copied().unwrap_or((0, 0, None, 0));
+        args.extend([
+            Arg::Ptr(w),
+            Arg::Ptr(out),
+            Arg::Ptr(bias.unwrap_or(0)),
+            i32a(rows),
+        ]);
+        blocks += rows.div_ceil(4);
+    }
+    let grid = [blocks as u32, ntok.div_ceil(GEMV_TOKENS) as u32, 1];
+    l.launch(name, grid, [128, 1, 1], &args)
+}
+
 /// out (n × rows) = x · Wᵀ on the integer tensor cores for a `rows × cols` weight of type `ty`
 /// (one of [`gemm_kernel`]) and `n` tokens of q8_1 blocks `xq`; the same sums as [`gemv`], for
 /// prefill-sized `n`.

@@ -6,7 +6,7 @@
 //! (attention over a sequence's positions, embedding lookups) get no figure.
 
 use super::launch::{Arg, Timed};
-use super::ops::Q8_1_BYTES;
+use super::ops::{self, Q8_1_BYTES};
 use crate::format::GgmlType;
 
 /// One kernel's share of the profiled steps.
@@ -60,8 +60,21 @@ fn matmul_type(name: &str) -> Option<GgmlType> {
         .and_then(weight_type)
 }
 
+/// (rows, cols, tokens) of a `gemv_multi_<type>` launch: (xq, cols, tokens, then per matrix w,
+/// out, bias, rows), the rows of all its matrices summed.
+fn multi_shape(t: &Timed) -> Option<(GgmlType, u64, u64, u64)> {
+    let ty = weight_type(t.name.strip_prefix("gemv_multi_")?)?;
+    let rows = (0..ops::GEMV_MULTI)
+        .map(|j| int(&t.args, 6 + 4 * j))
+        .sum::<Option<u64>>()?;
+    Some((ty, rows, int(&t.args, 1)?, int(&t.args, 2)?))
+}
+
 /// The weight bytes a matrix-product launch reads (None for other kernels).
 pub fn weight_bytes(t: &Timed) -> Option<u64> {
+    if let Some((ty, rows, cols, _)) = multi_shape(t) {
+        return Some(rows * ty.row_bytes(cols as usize)? as u64);
+    }
     // (w, x, out, rows, cols, ..)
     let (rows, cols) = (int(&t.args, 3)?, int(&t.args, 4)?);
     Some(rows * matmul_type(&t.name)?.row_bytes(cols as usize)? as u64)
@@ -71,6 +84,9 @@ pub fn weight_bytes(t: &Timed) -> Option<u64> {
 pub fn launch_bytes(t: &Timed) -> Option<u64> {
     let a = &t.args;
     let q8 = |values: u64| values / 32 * Q8_1_BYTES as u64;
+    if let Some((_, rows, cols, n)) = multi_shape(t) {
+        return Some(weight_bytes(t)? + q8(n * cols) + n * rows * 4);
+    }
     if let Some(ty) = matmul_type(&t.name) {
         // (w, x, out, rows, cols, tokens, ..)
         let (rows, cols, n) = (int(a, 3)?, int(a, 4)?, int(a, 5)?);
