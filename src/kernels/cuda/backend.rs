@@ -367,6 +367,7 @@ impl CudaBackend {
                 self.scratch(PART, part_bytes)?
             },
             out: out.buf.ptr,
+            q8: 0,
             n_q: queries.len(),
             n_head: shape.n_head,
             n_head_kv: shape.n_head_kv,
@@ -380,7 +381,20 @@ impl CudaBackend {
             let tiles_d = self.ints(&tiles)?;
             return ops::attention_prefill(self.l(), &a, tiles_d, tiles.len() / 2);
         }
-        ops::attention(self.l(), &a)
+        // Decode: the kernel writing the output also quantizes it for the output product.
+        let q8 = match shape.head_dim.is_multiple_of(32) {
+            true => self.q8_scratch(out.rows * out.cols, out.cols)?,
+            false => None,
+        };
+        let a = AttnArgs {
+            q8: q8.unwrap_or(0),
+            ..a
+        };
+        ops::attention(self.l(), &a)?;
+        if let Some(q8) = q8 {
+            self.set_q8(out, q8);
+        }
+        Ok(())
     }
 }
 

@@ -534,6 +534,9 @@ pub struct AttnArgs {
     /// Scratch of at least [`attn_part_bytes`].
     pub part: u64,
     pub out: u64,
+    /// Where the decode path also writes the q8_1 blocks of `out` (0: not; head_dim a multiple
+    /// of 32). The tiled prefill kernel does not.
+    pub q8: u64,
     pub n_q: usize,
     pub n_head: usize,
     pub n_head_kv: usize,
@@ -568,6 +571,12 @@ fn check_attn_shape(a: &AttnArgs) -> Result<()> {
             a.head_dim
         );
     }
+    if a.q8 != 0 && !a.head_dim.is_multiple_of(32) {
+        bail!(
+            "attention: q8_1 output needs head_dim a multiple of 32, not {}",
+            a.head_dim
+        );
+    }
     Ok(())
 }
 
@@ -587,6 +596,7 @@ fn attention_split(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
         Arg::F32(a.scale),
         i32a(a.n_split),
         Arg::Ptr(a.out),
+        Arg::Ptr(a.q8),
     ];
     let grid = [a.n_q as u32, a.n_head_kv as u32, a.n_split as u32];
     l.launch("attn_split", grid, [128, 1, 1], &args)?;
@@ -599,6 +609,7 @@ fn attention_split(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
         i32a(a.n_head),
         i32a(a.head_dim),
         i32a(a.n_split),
+        Arg::Ptr(a.q8),
     ];
     l.launch(
         "attn_merge",
