@@ -76,7 +76,7 @@ done
 if [ "$DEVICE" = cuda ]; then
     step selftest-kernels 90 "$BIN" selftest
     for m in qwen gemma; do
-        step "selftest-$m" 60 "$BIN" selftest -m "$WORK/$m.gguf"
+        step "selftest-$m" 90 "$BIN" selftest -m "$WORK/$m.gguf"
     done
 fi
 
