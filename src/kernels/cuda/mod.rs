@@ -15,4 +15,5 @@ pub mod launch;
 pub mod module;
 pub mod ops;
 pub mod profile;
+mod sublayers;
 pub mod vram;
