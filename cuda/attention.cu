@@ -16,13 +16,14 @@
 #define ATTN_THREADS 128
 
 /// grid (n_q, n_head_kv, n_split), block (128). With one split the normalised result goes
-/// straight to `out` (no merge launch).
+/// straight to `out` (no merge launch), and its q8_1 blocks to `q8` when given (head_dim a
+/// multiple of 32: a warp's 32 consecutive values of a head are one block).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     attn_split(const float* __restrict__ q, const __half* __restrict__ kc,
                const __half* __restrict__ vc, const int* __restrict__ tables,
                const int* __restrict__ meta, float* __restrict__ part, int n_head, int n_head_kv,
                int head_dim, int block_size, int kv_dim, float scale, int n_split,
-               float* __restrict__ out) {
+               float* __restrict__ out, uint8_t* __restrict__ q8) {
   __shared__ float qs[ATTN_MAX_G * ATTN_MAX_HD];
   __shared__ float sc[ATTN_MAX_G * ATTN_SPLIT];
   __shared__ int slot[ATTN_SPLIT];
@@ -105,6 +106,14 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
           part[(((size_t)qi * n_head + h) * n_split + split) * (hd + 2) + d] = acc[g];
       }
     }
+    if (n_split == 1 && q8) {
+      // Each thread reads back only what it wrote; not unrolled (registers).
+#pragma unroll 1
+      for (int g = 0; g < G; g++) {
+        const size_t o = ((size_t)qi * n_head + kvh * G + g) * hd + d;
+        q8_1_warp(out[o], q8 + o / 32 * Q8_1_BYTES);
+      }
+    }
   }
   if ((int)threadIdx.x < G) {
     const int g = threadIdx.x, h = kvh * G + g;
@@ -115,10 +124,11 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
 }
 EMU_EXPORT(attn_split)
 
-/// out[qi][h] = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k. grid (n_q, n_head), block (128).
+/// out[qi][h] = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k, and its q8_1 blocks to `q8`
+/// when given (as attn_split's). grid (n_q, n_head), block (128).
 extern "C" __global__ void __launch_bounds__(128)
     attn_merge(const float* __restrict__ part, float* __restrict__ out, int n_head, int head_dim,
-               int n_split) {
+               int n_split, uint8_t* __restrict__ q8) {
   const int qi = blockIdx.x, h = blockIdx.y, hd = head_dim;
   const float* rec = part + ((size_t)qi * n_head + h) * n_split * (hd + 2);
   float M = NEG_INF;
@@ -134,7 +144,9 @@ extern "C" __global__ void __launch_bounds__(128)
       const float m = rec[k * (hd + 2) + hd];
       if (m != NEG_INF) acc += expf(m - M) * rec[k * (hd + 2) + d];
     }
-    out[((size_t)qi * n_head + h) * hd + d] = L > 0.0f ? acc / L : 0.0f;
+    const size_t o = ((size_t)qi * n_head + h) * hd + d;
+    out[o] = L > 0.0f ? acc / L : 0.0f;
+    if (q8) q8_1_warp(out[o], q8 + o / 32 * Q8_1_BYTES);
   }
 }
 EMU_EXPORT(attn_merge)

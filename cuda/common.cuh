@@ -105,6 +105,19 @@ __device__ __forceinline__ int load_i32_a4(const uint8_t* p) {
   return *reinterpret_cast<const int*>(p);
 }
 
+/// Reads 16 bytes at a 16-byte-aligned address as four ints: one 128-bit load on the GPU.
+__device__ __forceinline__ void load_i32x4_a16(const uint8_t* p, int (&v)[4]) {
+#ifdef INFER_CUDA_EMU
+  memcpy(v, p, 16);
+#else
+  const int4 q = *reinterpret_cast<const int4*>(p);
+  v[0] = q.x;
+  v[1] = q.y;
+  v[2] = q.z;
+  v[3] = q.w;
+#endif
+}
+
 __device__ __forceinline__ float load_half(const uint8_t* p) {
   return __half2float(*reinterpret_cast<const __half*>(p));
 }
@@ -133,6 +146,23 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   __syncthreads();
   v = lane < nwarps ? scratch[lane] : 0.0f;
   return warp_sum(v);
+}
+
+/// One q8_1 block from the 32 lanes of a warp, lane i holding value i: ggml's
+/// quantize_row_q8_1_ref (d = amax / 127, q = roundf(v / d), s = d * sum(q)) into the 36 bytes at
+/// `ob`. Called by all 32 lanes together.
+__device__ __forceinline__ void q8_1_warp(float v, uint8_t* ob) {
+  const int lane = threadIdx.x % 32;
+  const float amax = warp_max(fabsf(v));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  const int q = (int)roundf(v * id);
+  const float sum = warp_sum((float)q);  // exact: |sum| <= 32 * 127
+  reinterpret_cast<int8_t*>(ob + 4)[lane] = (int8_t)q;
+  if (lane == 0) {
+    reinterpret_cast<__half*>(ob)[0] = __float2half_rn(d);
+    reinterpret_cast<__half*>(ob)[1] = __float2half_rn(sum * d);
+  }
 }
 
 #define NEG_INF (-__int_as_float(0x7f800000))

@@ -6,6 +6,8 @@
 // each output (bias[row]) as the result is stored, saving an add_bias launch. Also the row dequantizers used
 // for embedding lookups. Launch: block (128) = 4 warps = 4 output rows; grid (ceil(rows/4),
 // ceil(tokens/8)). Every weight row starts at a multiple of its block size (2-byte aligned).
+// Q4_K, the bulk of a Q4_K_M file, has its own kernel with 128-bit loads (`gemv_q4_k`: its
+// 144-byte blocks stay 16-byte aligned).
 #include "common.cuh"
 
 /// One 32-value sub-block unpacked: value k = (k < 16 ? s0 : s1) * q_k - mn, with q_k the k-th
@@ -110,8 +112,8 @@ struct Q6_K {
 template <typename T>
 __device__ __forceinline__ void gemv_q(const uint8_t* __restrict__ w, const uint8_t* __restrict__ xq,
                                        float* __restrict__ out, int rows, int cols, int ntok,
-                                       const float* __restrict__ bias) {
-  const int lane = threadIdx.x % 32, row = blockIdx.x * GEMV_ROWS + threadIdx.x / 32;
+                                       const float* __restrict__ bias, int rb) {
+  const int lane = threadIdx.x % 32, row = rb * GEMV_ROWS + threadIdx.x / 32;
   if (row >= rows) return;  // a whole warp leaves together; no block-wide barrier follows
   const int t0 = blockIdx.y * GEMV_TOKENS;
   const int nt = min(GEMV_TOKENS, ntok - t0);
@@ -173,14 +175,121 @@ __device__ __forceinline__ void gemv_float(const W* __restrict__ w, const float*
   extern "C" __global__ void __launch_bounds__(128)                                                \
       name(const uint8_t* w, const uint8_t* xq, float* out, int rows, int cols, int nt,            \
            const float* bias) {                                                                    \
-    gemv_q<T>(w, xq, out, rows, cols, nt, bias);                                                   \
+    gemv_q<T>(w, xq, out, rows, cols, nt, bias, blockIdx.x);                                       \
   }                                                                                                \
   EMU_EXPORT(name)
 GEMV_Q(Q4_0, gemv_q4_0)
 GEMV_Q(Q5_0, gemv_q5_0)
 GEMV_Q(Q8_0, gemv_q8_0)
-GEMV_Q(Q4_K, gemv_q4_k)
 GEMV_Q(Q6_K, gemv_q6_k)
+
+/// Byte k (0..11) of a k-quant super-block's scales held in hd[1..3] (read as ints), without
+/// indexing a register array at run time.
+__device__ __forceinline__ int scale_byte(const int (&hd)[4], int k) {
+  const uint32_t w = (uint32_t)(k < 4 ? hd[1] : k < 8 ? hd[2] : hd[3]);
+  return (int)((w >> (8 * (k % 4))) & 0xff);
+}
+
+/// `scale_min_k4` from the scales in registers (hd as `scale_byte` reads it).
+__device__ __forceinline__ void scale_min_k4_regs(int j, const int (&hd)[4], int* sc, int* m) {
+  if (j < 4) {
+    *sc = scale_byte(hd, j) & 63;
+    *m = scale_byte(hd, j + 4) & 63;
+  } else {
+    *sc = (scale_byte(hd, j + 4) & 0xF) | ((scale_byte(hd, j - 4) >> 6) << 4);
+    *m = (scale_byte(hd, j + 4) >> 4) | ((scale_byte(hd, j) >> 6) << 4);
+  }
+}
+
+/// Q4_K with 128-bit loads (a Q4_K row is 144-byte blocks, so with a 16-byte-aligned matrix every
+/// block's 128 quant bytes are 16-byte aligned): lane task k of a row takes block k / 8 and its
+/// quant bytes 16 (k % 8) .. 16 (k % 8) + 15, whose low nibbles are values 16 h .. 16 h + 15 of
+/// sub-block 2 j and whose high nibbles the same of sub-block 2 j + 1 (j = k % 8 / 2, h = k % 2).
+/// Eight neighbouring lanes read one block's 128 contiguous bytes in eight loads (and its 16-byte
+/// header in one each), where the generic kernel's lane read 32 bytes for 32 values as sixteen
+/// 2-byte loads. Each sub-block's min term (dmin · m · the q8_1 block's sum) is taken by its h = 0
+/// lane. Same launch as every gemv_* kernel.
+__device__ __forceinline__ void gemv_q4k(const uint8_t* __restrict__ w,
+                                         const uint8_t* __restrict__ xq, float* __restrict__ out,
+                                         int rows, int cols, int ntok,
+                                         const float* __restrict__ bias, int rb) {
+  const int lane = threadIdx.x % 32, row = rb * GEMV_ROWS + threadIdx.x / 32;
+  if (row >= rows) return;  // a whole warp leaves together; no block-wide barrier follows
+  const int t0 = blockIdx.y * GEMV_TOKENS;
+  const int nt = min(GEMV_TOKENS, ntok - t0);
+  const int nblk = cols / QK_K, nsub = cols / 32;
+  const uint8_t* wrow = w + (size_t)row * nblk * Q4_K_BYTES;
+  float acc[GEMV_TOKENS];
+#pragma unroll
+  for (int t = 0; t < GEMV_TOKENS; t++) acc[t] = 0.0f;
+  for (int task = lane; task < nblk * 8; task += 32) {
+    const int b = task / 8, part = task % 8, j = part / 2, h = part % 2;
+    const uint8_t* blk = wrow + (size_t)b * Q4_K_BYTES;
+    int q[4], hd[4];
+    load_i32x4_a16(blk + 16 + 16 * part, q);
+    load_i32x4_a16(blk, hd);  // d, dmin, scales[12]: one load, the same for 8 lanes
+    const float d = __half2float(__ushort_as_half((unsigned short)(hd[0] & 0xffff)));
+    const float dmin = __half2float(__ushort_as_half((unsigned short)((uint32_t)hd[0] >> 16)));
+    int sc0, m0, sc1, m1;
+    scale_min_k4_regs(2 * j, hd, &sc0, &m0);
+    scale_min_k4_regs(2 * j + 1, hd, &sc1, &m1);
+    const float ds0 = d * (float)sc0, ds1 = d * (float)sc1;
+    const float mn0 = h == 0 ? dmin * (float)m0 : 0.0f, mn1 = h == 0 ? dmin * (float)m1 : 0.0f;
+#pragma unroll
+    for (int t = 0; t < GEMV_TOKENS; t++) {
+      if (t < nt) {
+        const uint8_t* x0 = xq + ((size_t)(t0 + t) * nsub + b * 8 + 2 * j) * Q8_1_BYTES;
+        const uint8_t* x1 = x0 + Q8_1_BYTES;
+        int sl = 0, sh = 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+          sl = dp4a_s8(q[k] & 0x0F0F0F0F, load_i32_a4(x0 + 4 + 16 * h + 4 * k), sl);
+          sh = dp4a_s8((q[k] >> 4) & 0x0F0F0F0F, load_i32_a4(x1 + 4 + 16 * h + 4 * k), sh);
+        }
+        acc[t] += ds0 * load_half(x0) * (float)sl + ds1 * load_half(x1) * (float)sh -
+                  (mn0 * load_half(x0 + 2) + mn1 * load_half(x1 + 2));
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < GEMV_TOKENS; t++) {
+    float v = warp_sum(acc[t]);
+    if (lane == 0 && t < nt) out[(size_t)(t0 + t) * rows + row] = bias ? v + bias[row] : v;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    gemv_q4_k(const uint8_t* w, const uint8_t* xq, float* out, int rows, int cols, int nt,
+              const float* bias) {
+  gemv_q4k(w, xq, out, rows, cols, nt, bias, blockIdx.x);
+}
+EMU_EXPORT(gemv_q4_k)
+
+/// Up to three matrices of one type and width that read the same q8_1 activations (Q, K and V;
+/// gate and up) in one launch: grid (sum of ceil(rows_j / 4), ceil(tokens / 8)), block (128);
+/// block x takes the rows of matrix 0, then 1, then 2, each as its gemv_* kernel would (a matrix
+/// of 0 rows takes no blocks).
+#define GEMV_MULTI(FN, name)                                                                       \
+  extern "C" __global__ void __launch_bounds__(128)                                                \
+      name(const uint8_t* xq, int cols, int nt, const uint8_t* w0, float* out0, const float* b0,   \
+           int rows0, const uint8_t* w1, float* out1, const float* b1, int rows1,                  \
+           const uint8_t* w2, float* out2, const float* b2, int rows2) {                           \
+    const int n0 = (rows0 + GEMV_ROWS - 1) / GEMV_ROWS, n1 = (rows1 + GEMV_ROWS - 1) / GEMV_ROWS;  \
+    const int rb = blockIdx.x;                                                                     \
+    if (rb < n0) {                                                                                 \
+      FN(w0, xq, out0, rows0, cols, nt, b0, rb);                                                   \
+    } else if (rb < n0 + n1) {                                                                     \
+      FN(w1, xq, out1, rows1, cols, nt, b1, rb - n0);                                              \
+    } else {                                                                                       \
+      FN(w2, xq, out2, rows2, cols, nt, b2, rb - n0 - n1);                                         \
+    }                                                                                              \
+  }                                                                                                \
+  EMU_EXPORT(name)
+GEMV_MULTI(gemv_q<Q4_0>, gemv_multi_q4_0)
+GEMV_MULTI(gemv_q<Q5_0>, gemv_multi_q5_0)
+GEMV_MULTI(gemv_q<Q8_0>, gemv_multi_q8_0)
+GEMV_MULTI(gemv_q4k, gemv_multi_q4_k)
+GEMV_MULTI(gemv_q<Q6_K>, gemv_multi_q6_k)
 
 extern "C" __global__ void __launch_bounds__(128)
     gemv_f16(const __half* w, const float* x, float* out, int rows, int cols, int nt,
@@ -197,24 +306,12 @@ extern "C" __global__ void __launch_bounds__(128)
 EMU_EXPORT(gemv_f32)
 
 /// q8_1 activations: one warp per 32-value block (x is rows × cols with cols % 32 == 0, so the
-/// blocks are contiguous). Same arithmetic as ggml's quantize_row_q8_1_ref: d = amax / 127,
-/// q = roundf(x / d), s = d * sum(q). Block (128), grid (ceil(n_blocks / 4)).
+/// blocks are contiguous), as `q8_1_warp`. Block (128), grid (ceil(n_blocks / 4)).
 extern "C" __global__ void __launch_bounds__(128)
     quantize_q8_1(const float* __restrict__ x, uint8_t* __restrict__ out, int n_blocks) {
-  const int lane = threadIdx.x % 32, b = blockIdx.x * 4 + threadIdx.x / 32;
+  const int b = blockIdx.x * 4 + threadIdx.x / 32;
   if (b >= n_blocks) return;
-  float v = x[(size_t)b * 32 + lane];
-  float amax = warp_max(fabsf(v));
-  float d = amax / 127.0f;
-  float id = d != 0.0f ? 1.0f / d : 0.0f;
-  int q = (int)roundf(v * id);
-  float sum = warp_sum((float)q);  // exact: |sum| <= 32 * 127
-  uint8_t* ob = out + (size_t)b * Q8_1_BYTES;
-  reinterpret_cast<int8_t*>(ob + 4)[lane] = (int8_t)q;
-  if (lane == 0) {
-    reinterpret_cast<__half*>(ob)[0] = __float2half_rn(d);
-    reinterpret_cast<__half*>(ob)[1] = __float2half_rn(sum * d);
-  }
+  q8_1_warp(x[(size_t)b * 32 + threadIdx.x % 32], out + (size_t)b * Q8_1_BYTES);
 }
 EMU_EXPORT(quantize_q8_1)
 

@@ -3,4 +3,5 @@
 #include "gemv.cu"
 #include "gemm.cu"
 #include "ops.cu"
+#include "fused.cu"
 #include "attention.cu"

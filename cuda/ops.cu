@@ -47,29 +47,25 @@ __device__ __forceinline__ float gelu_tanh(float x) {
   return (0.5f * x) * (1.0f + tanhf(0.7978846f * x * inner));
 }
 
-/// gate = act(gate) * up over n values; act 0 = SiLU, 1 = GELU-tanh through f16 (ggml's table),
-/// 2 = GELU-tanh in f32. grid (ceil(n / 256)), block (256).
+/// act(g) for the gated activations: 0 = SiLU, 1 = GELU-tanh through f16 (ggml's table), 2 =
+/// GELU-tanh in f32.
+__device__ __forceinline__ float glu_act(float g, int act) {
+  if (act == 0) return g / (1.0f + expf(-g));
+  if (act == 1) {
+    if (g <= -10.0f) return 0.0f;
+    if (g >= 10.0f) return g;
+    return __half2float(__float2half_rn(gelu_tanh(__half2float(__float2half_rn(g)))));
+  }
+  const float inner = 0.7978846f * (g + 0.044715f * g * g * g);
+  return 0.5f * g * (1.0f + tanhf(inner));
+}
+
+/// gate = act(gate) * up over n values (`glu_act`). grid (ceil(n / 256)), block (256).
 extern "C" __global__ void __launch_bounds__(256)
     glu(float* gate, const float* __restrict__ up, long long n, int act) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float g = gate[i], u = up[i];
-  float y;
-  if (act == 0) {
-    y = g / (1.0f + expf(-g));
-  } else if (act == 1) {
-    if (g <= -10.0f) {
-      y = 0.0f;
-    } else if (g >= 10.0f) {
-      y = g;
-    } else {
-      y = __half2float(__float2half_rn(gelu_tanh(__half2float(__float2half_rn(g)))));
-    }
-  } else {
-    const float inner = 0.7978846f * (g + 0.044715f * g * g * g);
-    y = 0.5f * g * (1.0f + tanhf(inner));
-  }
-  gate[i] = y * u;
+  gate[i] = glu_act(gate[i], act) * up[i];
 }
 EMU_EXPORT(glu)
 

@@ -8,11 +8,14 @@
 #
 # On the device it expands the skeletons into files with the real models' exact shapes and types
 # (Qwen2.5-Coder-1.5B Q4_K_M, Gemma-3-270M Q4_K_M; random weights: `infer synth`), then runs
-# `infer selftest` (every CUDA kernel, and a whole forward of each file, against the CPU) and
+# `infer selftest` (every CUDA kernel, and a whole forward of each file, against the CPU),
 # `infer bench --device cuda --json` (the device's bandwidth measured in the same run, pp512,
-# tg128, and batched decode through the scheduler at 1, 8 and 32 sequences). Each step has its
-# own time limit and nothing runs past BUDGET (470 s), so the whole run stays under 8 minutes; a failed step is recorded in
-# $OUT/summary.txt and the others still run. Every GPU figure in a note comes from these files.
+# tg128, and batched decode through the scheduler at 1, 8 and 32 sequences) and
+# `infer bench --profile` (every kernel of 16 decode steps at 512 positions timed alone: time
+# and bandwidth).
+# Each step has its own time limit and nothing runs past BUDGET (470 s), so the whole run stays
+# under 8 minutes; a failed step is recorded in $OUT/summary.txt and the others still run. Every
+# GPU figure in a note comes from these files.
 #
 # DEVICE=cpu QUICK=1 OUT=/tmp/gpu-out scripts/gpu-check.sh runs the same steps on the CPU with
 # small sizes (the selftest is skipped): a dry run of the script itself.
@@ -62,9 +65,9 @@ step() {
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.memory --format=csv 2>&1 || true; uname -a; nproc; } > "$OUT/device.txt"
 
 if [ "$QUICK" = 1 ]; then
-    PP=64; TG=16; REPS=1; LEVELS=1,8; CPROMPT=32; CGEN=8
+    PP=64; TG=16; REPS=1; LEVELS=1,8; CPROMPT=32; CGEN=8; PDEPTH=32
 else
-    PP=512; TG=128; REPS=3; LEVELS=1,8,32; CPROMPT=512; CGEN=64
+    PP=512; TG=128; REPS=3; LEVELS=1,8,32; CPROMPT=512; CGEN=64; PDEPTH=512
 fi
 
 for m in qwen gemma; do
@@ -74,7 +77,7 @@ done
 if [ "$DEVICE" = cuda ]; then
     step selftest-kernels 90 "$BIN" selftest
     for m in qwen gemma; do
-        step "selftest-$m" 60 "$BIN" selftest -m "$WORK/$m.gguf"
+        step "selftest-$m" 90 "$BIN" selftest -m "$WORK/$m.gguf"
     done
 fi
 
@@ -82,6 +85,7 @@ for m in qwen gemma; do
     step "bench-$m" 75 "$BIN" bench --device "$DEVICE" -m "$WORK/$m.gguf" -p "$PP" -n "$TG" -r "$REPS" --json
     step "batched-$m" 60 "$BIN" bench --device "$DEVICE" -m "$WORK/$m.gguf" --concurrency "$LEVELS" \
         -p "$CPROMPT" -n "$CGEN" -r 1 --shared-prefix 0 --json
+    step "profile-$m" 45 "$BIN" bench --device "$DEVICE" -m "$WORK/$m.gguf" -d "$PDEPTH" -p 0 -n 16 -r 1 --profile
 done
 
 rm -rf "$WORK"

@@ -2,6 +2,8 @@
 //! scrambled block tables, against an f64 softmax over the same f16 keys and values, for plain
 //! multi-head, GQA and MQA layouts, several splits and a sliding window; and the tiled prefill
 //! kernel on batches of consecutive rows of two sequences (tiles cut at the sequence boundary).
+//! Where the decode kernels also write the q8_1 blocks of their output, those are held bit for
+//! bit to the reference quantizer applied to the kernel's own output.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -46,6 +48,9 @@ pub fn attention(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
         case(l, out, shape, &prefill[..3], true)?;
     }
     case(l, out, (8, 2, 128), &prefill, false)?;
+    // Short decode rows: one split, so attn_split writes (and quantizes) the output itself.
+    case(l, out, (8, 2, 128), &decode[..2], false)?;
+    case(l, out, (4, 1, 256), &decode[..2], false)?;
     Ok(())
 }
 
@@ -102,6 +107,9 @@ fn case(
             .div_ceil(ops::ATTN_SPLIT);
         let part = DevBuf::new(l, ops::attn_part_bytes(n_q, nh, hd, n_split))?;
         let od = DevBuf::new(l, n_q * nh * hd * 4)?;
+        // The decode path also quantizes its output where heads are whole q8_1 blocks.
+        let with_q8 = !tiled && hd.is_multiple_of(32);
+        let q8 = DevBuf::new(l, n_q * nh * hd / 32 * ops::Q8_1_BYTES + 4)?;
         let a = AttnArgs {
             q: qd.ptr,
             k_cache: kd.ptr,
@@ -110,6 +118,7 @@ fn case(
             meta: md.ptr,
             part: part.ptr,
             out: od.ptr,
+            q8: if with_q8 { q8.ptr } else { 0 },
             n_q,
             n_head: nh,
             n_head_kv: nkv,
@@ -175,6 +184,19 @@ fn case(
                 ("attn_split+merge", s)
             }
         };
+        if with_q8 {
+            let mut want = vec![0u8; got.len() / 32 * ops::Q8_1_BYTES];
+            crate::quant::quantize::quantize_row_q8_1(&got, &mut want);
+            let bytes = q8.to_bytes()?;
+            let diff = want.iter().zip(&bytes).filter(|(a, b)| a != b).count();
+            out.push(Check {
+                kernel: kernel.into(),
+                shape: format!("{n_q} queries, {nh}/{nkv}x{hd}, {n_split} splits: q8_1 of its output (bytes differing)"),
+                err: diff as f64,
+                tol: 0.0,
+                secs: 0.0,
+            });
+        }
         out.push(Check {
             kernel: kernel.into(),
             shape,

@@ -29,6 +29,10 @@ pub struct ForwardCheck {
     pub scale: f32,
     /// Rows whose argmax differs.
     pub argmax_differs: usize,
+    /// The largest gap, over the rows whose argmax differs, between the CPU's logit of its own
+    /// argmax and its logit of the CUDA backend's (0 when none differs): how far from a tie the
+    /// CPU saw the two tokens.
+    pub worst_flip: f32,
     pub cpu_secs: f64,
     pub cuda_secs: f64,
 }
@@ -111,6 +115,55 @@ pub fn forward_split(
     })
 }
 
+/// A greedy choice may differ from the CPU's only where the CPU saw a near tie: its logits of the
+/// two tokens within this fraction of its largest |logit| (the backends' numerics differ, see the
+/// module docs).
+pub const NEAR_TIE: f32 = 0.01;
+
+/// Both backends decoding greedily on their own (each feeding back its own choices).
+#[derive(Clone, Debug)]
+pub struct GreedyCheck {
+    pub steps: usize,
+    /// Steps whose tokens agree before the first that differs (`steps` when none does).
+    pub agreed: usize,
+    /// At the first differing step: the CPU's logit of its token minus its logit of the CUDA
+    /// backend's, over its largest |logit| (0 when none differs).
+    pub gap: f32,
+}
+
+impl GreedyCheck {
+    /// Every token agrees, or the first that differs was a near tie for the CPU.
+    pub fn pass(&self) -> bool {
+        self.agreed == self.steps || self.gap <= NEAR_TIE
+    }
+}
+
+/// `steps` greedy tokens after `prompt` on the CPU backend and on the CUDA backend over `l`, each
+/// from its own choices, compared token by token.
+pub fn greedy(
+    l: Arc<dyn Launch>,
+    path: &Path,
+    prompt: &[u32],
+    steps: usize,
+) -> Result<GreedyCheck> {
+    let g = Arc::new(Gguf::open(path).with_context(|| format!("reading {}", path.display()))?);
+    let n_ctx = (prompt.len() + steps + 1).next_multiple_of(BLOCK_SIZE);
+    let mut cpu = runner(&g, CpuBackend::new(2), n_ctx)?;
+    let (rows, want) = run(&mut cpu, prompt, steps, None)?;
+    let mut gpu = runner(&g, CudaBackend::new(l), n_ctx)?;
+    let (_, got) = run(&mut gpu, prompt, steps, None)?;
+    let agreed = want.iter().zip(&got).take_while(|(a, b)| a == b).count();
+    let gap = match (want.get(agreed), got.get(agreed)) {
+        (Some(&w), Some(&c)) => {
+            let row = &rows[prompt.len() - 1 + agreed];
+            let scale = row.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+            (row[w as usize] - row[c as usize]) / scale
+        }
+        _ => 0.0,
+    };
+    Ok(GreedyCheck { steps, agreed, gap })
+}
+
 fn compare<B: Backend>(
     path: &Path,
     prompt: &[u32],
@@ -129,7 +182,7 @@ fn compare<B: Backend>(
     let (got, _) = run(&mut gpu, prompt, steps, Some(&tokens))?;
     // Reading the logits back waited for every kernel.
     let cuda_secs = t.elapsed().as_secs_f64();
-    let (mut max_diff, mut scale, mut argmax_differs) = (0f32, 0f32, 0);
+    let (mut max_diff, mut scale, mut argmax_differs, mut worst_flip) = (0f32, 0f32, 0, 0f32);
     for (a, b) in want.iter().zip(&got) {
         for (x, y) in a.iter().zip(b) {
             let d = if y.is_nan() {
@@ -140,13 +193,18 @@ fn compare<B: Backend>(
             max_diff = max_diff.max(d);
             scale = scale.max(x.abs());
         }
-        argmax_differs += (argmax(a) != argmax(b)) as usize;
+        let (ca, ga) = (argmax(a), argmax(b));
+        if ca != ga {
+            argmax_differs += 1;
+            worst_flip = worst_flip.max(a[ca] - a[ga]);
+        }
     }
     Ok(ForwardCheck {
         rows: want.len(),
         max_diff,
         scale,
         argmax_differs,
+        worst_flip,
         cpu_secs,
         cuda_secs,
     })

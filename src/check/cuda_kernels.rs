@@ -84,7 +84,7 @@ impl Ctx<'_> {
 }
 
 /// Max |a - b| / scale.
-fn max_rel(a: &[f32], b: &[f32], scale: f64) -> f64 {
+pub(super) fn max_rel(a: &[f32], b: &[f32], scale: f64) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)
@@ -98,7 +98,7 @@ fn max_rel(a: &[f32], b: &[f32], scale: f64) -> f64 {
         .fold(0.0, f64::max)
 }
 
-fn max_abs(v: &[f32]) -> f64 {
+pub(super) fn max_abs(v: &[f32]) -> f64 {
     v.iter().map(|x| x.abs() as f64).fold(1e-30, f64::max)
 }
 
@@ -117,6 +117,9 @@ pub fn run_all(l: &Arc<dyn Launch>) -> Result<Vec<Check>> {
         GgmlType::F32,
     ] {
         gemv(&mut c, ty)?;
+        if ops::gemv_multi_kernel(ty).is_some() {
+            gemv_multi(&mut c, ty)?;
+        }
         if ops::gemm_kernel(ty).is_some() {
             gemm(&mut c, ty)?;
         }
@@ -128,6 +131,7 @@ pub fn run_all(l: &Arc<dyn Launch>) -> Result<Vec<Check>> {
     elementwise(&mut c)?;
     argmax(&mut c)?;
     top_k(&mut c)?;
+    super::cuda_fused::fused(l, &mut c.out)?;
     super::cuda_attention::attention(l, &mut c.out)?;
     Ok(c.out)
 }
@@ -207,6 +211,48 @@ fn gemv(c: &mut Ctx, ty: GgmlType) -> Result<()> {
                 "{rows}x{cols}, {nt} tok{} (rel. to sum|w·x|)",
                 if bias.is_some() { " + bias" } else { "" }
             ),
+            err,
+            matmul_tol(ty),
+            secs,
+        );
+    }
+    Ok(())
+}
+
+/// Several matrices of one type over the same q8_1 activations in one launch: three of ragged
+/// row counts (one with a bias) and a pair, for one token and for 9 (two token blocks).
+fn gemv_multi(c: &mut Ctx, ty: GgmlType) -> Result<()> {
+    let kernel = ops::gemv_multi_kernel(ty).expect("checked types have multi kernels");
+    let cols = if ty.block_size() == 256 { 512 } else { 96 };
+    for (rows, nt) in [(&[7, 1, 37][..], 1), (&[5, 12][..], 9)] {
+        let x = floats(nt * cols, 23 + nt as u64);
+        let mut xq = vec![0u8; nt * cols / 32 * ops::Q8_1_BYTES];
+        quant::quantize::quantize_row_q8_1(&x, &mut xq);
+        let (xdeq, input) = (dequant_q8_1(&xq), DevBuf::from_bytes(c.l, &xq)?);
+        let mut mats = Vec::new();
+        for (j, &r) in rows.iter().enumerate() {
+            let (wb, wdeq) = weights(ty, r, cols, 29 + j as u64)?;
+            let bias = (j == 0).then(|| floats(r, 31));
+            let bd = bias.as_ref().map(|b| c.buf(b)).transpose()?;
+            let (w, out) = (DevBuf::from_bytes(c.l, &wb)?, DevBuf::new(c.l, nt * r * 4)?);
+            mats.push((w, out, bias, bd, wdeq, r));
+        }
+        let parts: Vec<ops::GemvPart> = mats
+            .iter()
+            .map(|(w, o, _, bd, _, r)| (w.ptr, o.ptr, bd.as_ref().map(|b| b.ptr), *r))
+            .collect();
+        let secs = c.timed(|| ops::gemv_multi(&**c.l, ty, input.ptr, &parts, (cols, nt)))?;
+        let mut err = 0f64;
+        for (_, out, bias, _, wdeq, r) in &mats {
+            let mut got = out.to_f32()?;
+            if let Some(b) = bias {
+                got.iter_mut().enumerate().for_each(|(i, v)| *v -= b[i % r]);
+            }
+            err = err.max(matmul_err(&got, wdeq, &xdeq, (*r, cols, nt)));
+        }
+        c.push(
+            kernel,
+            format!("{rows:?}x{cols}, {nt} tok, one with bias (rel. to sum|w·x|)"),
             err,
             matmul_tol(ty),
             secs,

@@ -406,6 +406,11 @@ pub struct BenchArgs {
         requires = "concurrency"
     )]
     pub shared_prefix: usize,
+    /// With the model on a GPU: also time every kernel of 16 decode steps one by one (CUDA
+    /// events around each launch, graphs off) and print each kernel's time and achieved
+    /// bandwidth per token
+    #[arg(long, conflicts_with = "concurrency")]
+    pub profile: bool,
     /// One JSON object on stdout instead of the table
     #[arg(long)]
     pub json: bool,

@@ -16,6 +16,7 @@ use crate::cli::{note, UsageError};
 use infer::engine::runner::Sequence;
 use infer::kernels::cpu::memory::bandwidth::BandwidthBuffer;
 use infer::kernels::cuda::launch::DevBuf;
+use infer::kernels::cuda::profile::{summarize, KernelProfile};
 use infer::kernels::device::DeviceBackend;
 use infer::model::weights::bytes_per_token;
 use infer::model::Backend;
@@ -81,8 +82,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if n_prompt == 0 && a.n_gen == 0 {
         return Err(UsageError("nothing to measure: -p and -n are both 0".into()).into());
     }
-    // The warm-up extends a fresh sequence by five tokens.
-    let ctx = a.depth + n_prompt.max(a.n_gen).max(5) + 1;
+    // The warm-up extends a fresh sequence by five tokens, --profile by PROFILE_STEPS + 1.
+    let profiled = if a.profile { PROFILE_STEPS + 1 } else { 0 };
+    let ctx = a.depth + n_prompt.max(a.n_gen).max(5).max(profiled) + 1;
     let loaded = load(&a.model, Some(ctx))?;
     let mut runner = loaded.runner;
     fits(runner.n_ctx(), ctx, "depth + tokens")?;
@@ -206,6 +208,23 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if progress {
         eprintln!();
     }
+    let launcher = runner
+        .model
+        .backend
+        .cuda
+        .as_ref()
+        .map(|c| c.launcher().clone());
+    let profile = match (a.profile, &gpu, launcher) {
+        (true, Some(_), Some(l)) => {
+            let mut seq = fresh(&mut runner, &mut rng)?;
+            profile_decode(&mut runner, &mut seq, &l, &mut rng)?
+        }
+        (true, ..) => {
+            note!("infer: --profile times GPU kernels; this run is on the {backend} backend");
+            Vec::new()
+        }
+        _ => Vec::new(),
+    };
     let tests: Vec<&Summary> = [&pp, &tg]
         .into_iter()
         .filter(|s| !s.runs.is_empty())
@@ -240,6 +259,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "bandwidth_gbs": {"median": bw, "min": bandwidth.min(), "max": bandwidth.max(), "runs": bandwidth.runs},
                 "decode_efficiency": eff,
                 "decode_efficiency_runs": efficiency.runs,
+                "profile": profile_json(&profile),
             })
         )?;
         return Ok(());
@@ -289,6 +309,81 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             READ_EVERY,
             efficiency.min() * 100.0,
             efficiency.max() * 100.0
+        )?;
+    }
+    if !profile.is_empty() {
+        write_profile(&mut out, &profile)?;
+    }
+    Ok(())
+}
+
+/// Decode steps timed kernel by kernel (`--profile`).
+const PROFILE_STEPS: usize = 16;
+
+/// [`PROFILE_STEPS`] decode steps of `seq` with every launch timed on the device, per kernel.
+fn profile_decode(
+    runner: &mut infer::engine::runner::Runner<DeviceBackend>,
+    seq: &mut Sequence,
+    l: &std::sync::Arc<dyn infer::kernels::cuda::launch::Launch>,
+    rng: &mut Tokens,
+) -> Result<Vec<KernelProfile>> {
+    let vocab = runner.vocab_size();
+    // One untimed step first: the first sighting of a shape allocates its scratch.
+    let logits = runner.extend(seq, &[rng.next(vocab)])?;
+    runner.recycle(logits);
+    if !l.profile_start() {
+        return Ok(Vec::new());
+    }
+    let run = (0..PROFILE_STEPS).try_for_each(|_| -> Result<()> {
+        let logits = runner.extend(seq, &[rng.next(vocab)])?;
+        runner.recycle(logits);
+        Ok(())
+    });
+    let timed = l.profile_stop()?;
+    run?;
+    Ok(summarize(&timed, PROFILE_STEPS))
+}
+
+fn profile_json(p: &[KernelProfile]) -> serde_json::Value {
+    if p.is_empty() {
+        return serde_json::Value::Null;
+    }
+    let rows: Vec<_> = p
+        .iter()
+        .map(|k| {
+            json!({"kernel": k.name, "launches_per_token": k.launches, "us_per_token": k.secs * 1e6,
+                   "bytes_per_token": k.bytes, "gbs": k.bandwidth().map(|b| b / 1e9)})
+        })
+        .collect();
+    json!({"steps": PROFILE_STEPS, "kernels": rows})
+}
+
+fn write_profile(out: &mut impl Write, p: &[KernelProfile]) -> Result<()> {
+    let total: f64 = p.iter().map(|k| k.secs).sum();
+    writeln!(
+        out,
+        "\nkernels of {PROFILE_STEPS} decode steps, each launch timed alone (CUDA events, no graphs): \
+         {:.1} µs a token in kernels, {:.0} launches",
+        total * 1e6,
+        p.iter().map(|k| k.launches).sum::<f64>()
+    )?;
+    writeln!(
+        out,
+        "| kernel | launches/token | µs/token | share | MB/token | GB/s |"
+    )?;
+    writeln!(out, "|---|---|---|---|---|---|")?;
+    for k in p {
+        let (mb, gbs) = match (k.bytes, k.bandwidth()) {
+            (Some(b), Some(bw)) => (format!("{:.3}", b / 1e6), format!("{:.0}", bw / 1e9)),
+            _ => ("-".into(), "-".into()),
+        };
+        writeln!(
+            out,
+            "| {} | {:.1} | {:.1} | {:.1}% | {mb} | {gbs} |",
+            k.name,
+            k.launches,
+            k.secs * 1e6,
+            100.0 * k.secs / total.max(1e-12)
         )?;
     }
     Ok(())

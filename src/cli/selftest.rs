@@ -1,7 +1,8 @@
 //! `infer selftest`: on a machine with a CUDA GPU, runs every kernel check of
 //! `check::cuda_kernels` (the ones the tests run on the CPU emulator) on the real device, and
-//! optionally a whole forward pass of a model on both backends, and prints a pass/fail table with
-//! timings on stdout. Exit status 1 if any check fails or no device is usable.
+//! optionally a whole forward pass of a model on both backends (its logits, and 64 greedy tokens
+//! each backend chooses on its own), and prints a pass/fail table with timings on stdout. Exit
+//! status 1 if any check fails or no device is usable.
 
 use std::sync::Arc;
 
@@ -66,6 +67,23 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
             r.cpu_secs * 1e3,
             r.argmax_differs,
             r.rows
+        );
+        // Both backends decoding greedily on their own.
+        const STEPS: usize = 64;
+        let t = Instant::now();
+        let gr = check_forward::greedy(Arc::clone(&l), &path, &prompt, STEPS)?;
+        failed += !gr.pass() as usize;
+        total += 1;
+        println!(
+            "{:<6} {:<18} {:<60} {:>10} {:>8} {:>8.1}ms  (first differing step's CPU gap {:.2e} of max logit; a near tie is up to {})",
+            if gr.pass() { "PASS" } else { "FAIL" },
+            "greedy",
+            format!("{}: {STEPS} tokens, each backend its own", path.display()),
+            format!("{}/{STEPS}", gr.agreed),
+            "agree",
+            t.elapsed().as_secs_f64() * 1e3,
+            gr.gap,
+            check_forward::NEAR_TIE
         );
     }
     launch_overhead(&*l)?;

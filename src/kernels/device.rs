@@ -333,6 +333,32 @@ impl Backend for DeviceBackend {
         }
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut DevAct,
+        y: &mut DevAct,
+        y_norm: Option<&DevVec>,
+        w: &DevVec,
+        eps: f32,
+        out: &mut DevAct,
+    ) {
+        // As `add`: x goes where y is, and the norm runs there.
+        self.place(x, Self::is_gpu(y));
+        match (x, y) {
+            (DevAct::Cpu(x), DevAct::Cpu(y)) => {
+                let yn = y_norm.map(|v| &v.host);
+                self.cpu
+                    .add_rms_norm(x, y, yn, &w.host, eps, self.out_cpu(out))
+            }
+            (DevAct::Cuda(x), DevAct::Cuda(y)) => {
+                let yn = y_norm.map(|v| self.vec_gpu(v));
+                let out = self.out_gpu(out);
+                self.gpu().add_rms_norm(x, y, yn, self.vec_gpu(w), eps, out)
+            }
+            _ => unreachable!("placed above"),
+        }
+    }
+
     fn glu(&self, gate: &mut DevAct, up: &DevAct, act: Activation) {
         match gate {
             DevAct::Cpu(g) => self.cpu.glu(g, &self.to_cpu(up), act),
@@ -355,6 +381,13 @@ impl Backend for DeviceBackend {
             return self
                 .cpu
                 .ffn_dense(&h, (g, u, d), act, gate, up, self.out_cpu(out));
+        }
+        // The CUDA backend's fused kernels when it is on the GPU.
+        if let (DevWeight::Cuda(g), DevWeight::Cuda(u), DevWeight::Cuda(d)) = ws {
+            let (h, gate, up) = (self.to_gpu(h), self.out_gpu(gate), self.out_gpu(up));
+            return self
+                .gpu()
+                .ffn_dense(&h, (g, u, d), act, gate, up, self.out_gpu(out));
         }
         ffn_dense_steps(self, h, ws, act, gate, up, out)
     }
@@ -408,6 +441,49 @@ impl Backend for DeviceBackend {
             return self
                 .cpu
                 .attention_block(&h, &b, c, layer, batch, s, self.out_cpu(out));
+        }
+        fn gpu(w: &DevWeight) -> Option<&CudaWeight> {
+            match w {
+                DevWeight::Cuda(w) => Some(w),
+                DevWeight::Cpu(_) => None,
+            }
+        }
+        let ws = (gpu(blk.wq), gpu(blk.wk), gpu(blk.wv), gpu(blk.wo));
+        if let ((Some(wq), Some(wk), Some(wv), Some(wo)), true, Some(c)) =
+            (ws, layer < self.gpu_layers, &mut kv.cuda)
+        {
+            fn v(v: Option<&DevVec>) -> Option<&CudaVec> {
+                v.map(|v| {
+                    v.gpu
+                        .as_ref()
+                        .expect("vectors are uploaded when CUDA is used")
+                })
+            }
+            let b = AttnBlock::<CudaBackend> {
+                wq,
+                wk,
+                wv,
+                bq: v(blk.bq),
+                bk: v(blk.bk),
+                bv: v(blk.bv),
+                q_norm: v(blk.q_norm),
+                k_norm: v(blk.k_norm),
+                norm_eps: blk.norm_eps,
+                rope: blk.rope,
+                rope_freqs: v(blk.rope_freqs),
+                q_scale: blk.q_scale,
+                wo,
+            };
+            let h = self.to_gpu(h);
+            let s = AttnScratch {
+                q: self.out_gpu(s.q),
+                k: self.out_gpu(s.k),
+                v: self.out_gpu(s.v),
+                attn: self.out_gpu(s.attn),
+            };
+            return self
+                .gpu()
+                .attention_block(&h, &b, c, layer, batch, s, self.out_gpu(out));
         }
         attention_block_steps(self, h, blk, kv, layer, batch, s, out)
     }

@@ -241,6 +241,26 @@ pub trait Backend {
     fn scale(&self, x: &mut Self::Act, s: f32);
     /// x += y.
     fn add(&self, x: &mut Self::Act, y: &Self::Act);
+    /// The residual add and the next norm as one step: `y` is RMS-normed by `y_norm` first when
+    /// given (Gemma's norm of a sublayer's output), then `x += y`, then `out = rms_norm(x) * w`
+    /// over whole rows, each exactly as [`Backend::rms_norm_inplace`], [`Backend::add`] and
+    /// [`Backend::rms_norm`] compute it (`y` is left unspecified). A backend may fuse the steps (the
+    /// CUDA one runs them as one kernel that also quantizes `out` for the matmul that follows).
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Act,
+        y: &mut Self::Act,
+        y_norm: Option<&Self::Vector>,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Act,
+    ) {
+        if let Some(yn) = y_norm {
+            self.rms_norm_inplace(y, yn, eps);
+        }
+        self.add(x, y);
+        self.rms_norm(x, w, eps, out);
+    }
     /// gate = act(gate) * up.
     fn glu(&self, gate: &mut Self::Act, up: &Self::Act, act: Activation);
     /// The dense gated feed-forward: `gate = h · Gᵀ`, `up = h · Uᵀ`, `gate = act(gate) * up`,

@@ -96,8 +96,15 @@ impl<B: Backend> Model<B> {
 
         let mut by_window: Vec<(Option<u32>, Vec<AttnQuery<'_>>)> = Vec::new();
         for (il, (lw, lc)) in w.layers.iter().zip(&cfg.layers).take(layers).enumerate() {
-            // attention block
-            be.rms_norm(&x, &lw.attn_norm, cfg.norm_eps, &mut h);
+            // attention block; the previous layer's feed-forward output joins the residual stream
+            // here, in one step with this norm
+            match il {
+                0 => be.rms_norm(&x, &lw.attn_norm, cfg.norm_eps, &mut h),
+                _ => {
+                    let pn = w.layers[il - 1].post_ffn_norm.as_ref();
+                    be.add_rms_norm(&mut x, &mut o, pn, &lw.attn_norm, cfg.norm_eps, &mut h);
+                }
+            }
             // The queries of each distinct window, built once a forward (not once a layer).
             let wi = match by_window.iter().position(|(w, _)| *w == lc.window) {
                 Some(i) => i,
@@ -187,13 +194,10 @@ impl<B: Backend> Model<B> {
                 gate = be.act(want.len(), ff);
                 up = be.act(want.len(), ff);
             }
-            if let Some(pn) = &lw.post_attn_norm {
-                be.rms_norm_inplace(&mut o, pn, cfg.norm_eps);
-            }
-            be.add(&mut x, &o);
 
             // feed-forward block
-            be.rms_norm(&x, &lw.ffn_norm, cfg.norm_eps, &mut h);
+            let pn = lw.post_attn_norm.as_ref();
+            be.add_rms_norm(&mut x, &mut o, pn, &lw.ffn_norm, cfg.norm_eps, &mut h);
             match &lw.ffn {
                 Ffn::Dense(m) => {
                     let ws = (&m.gate, &m.up, &m.down);
@@ -209,18 +213,16 @@ impl<B: Backend> Model<B> {
                     o = moe::ffn(be, cfg, router, bias, experts, shared.as_ref(), &h)?;
                 }
             }
-            if let Some(pn) = &lw.post_ffn_norm {
-                be.rms_norm_inplace(&mut o, pn, cfg.norm_eps);
-            }
-            be.add(&mut x, &o);
         }
 
-        // output head: x holds only the rows that want logits now
+        // output head: x holds only the rows that want logits now; the last layer's feed-forward
+        // output (in o) joins it with the final norm
         if want.is_empty() {
             return Ok(Vec::new());
         }
         let mut hs = be.act(want.len(), d);
-        be.rms_norm(&x, &w.output_norm, cfg.norm_eps, &mut hs);
+        let pn = w.layers[layers - 1].post_ffn_norm.as_ref();
+        be.add_rms_norm(&mut x, &mut o, pn, &w.output_norm, cfg.norm_eps, &mut hs);
         let mut logits = be.act_for_overwrite(want.len(), cfg.vocab_size); // the head writes all
         be.matmul(
             w.output.as_ref().unwrap_or(&w.token_embd),

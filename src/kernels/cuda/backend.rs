@@ -4,18 +4,22 @@
 //! only sequences kernels (`ops`) through a [`Launch`]; small per-call tables (token ids,
 //! positions, KV slots, block tables) are uploaded per call. Errors inside an op cannot be returned
 //! through the `Backend` trait and end the process with a message naming the op (a launch fails
-//! only for a lost device or a bug).
+//! only for a lost device or a bug). The steps of several kernels (matmuls, the fused sublayer
+//! paths) are in `sublayers.rs`.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Result};
 use half::f16;
 
 use super::launch::{DevBuf, Launch};
-use super::ops::{self, AttnArgs};
+use super::ops;
+use super::sublayers::Q8Ready;
 use crate::format::GgmlType;
 use crate::model::backend::{
-    AttnQuery, AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+    attention_block_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend,
+    HeadCopy, KvType, MatmulJob, Rope, WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -45,31 +49,38 @@ pub struct CudaKv {
 }
 
 pub struct CudaBackend {
-    l: Arc<dyn Launch>,
+    pub(super) l: Arc<dyn Launch>,
     /// Grow-only scratch: q8_1 activations and attention partials.
-    scratch: Mutex<[Option<DevBuf>; 2]>,
+    pub(super) scratch: Mutex<[Option<DevBuf>; 2]>,
     /// Recently uploaded index tables (positions, KV slots, block tables), most recent first: a
     /// decode step asks for the same tables in every layer, so each is uploaded once per step.
     /// Kernels only read them.
-    tables: Mutex<Vec<(Vec<i32>, DevBuf)>>,
+    pub(super) tables: Mutex<Vec<(Vec<i32>, DevBuf)>>,
+    /// Counts launches and activation uploads (through [`CudaBackend::l`]): what [`Q8Ready`] was
+    /// stamped with is still true while the count has not moved.
+    pub(super) epoch: AtomicU64,
+    /// The q8_1 blocks a fused kernel (norm, GLU) wrote of its output, for the matmul that reads
+    /// that output next (it then skips its own quantize launch).
+    pub(super) q8_ready: Mutex<Option<Q8Ready>>,
 }
 
 /// Index tables kept by [`CudaBackend::ints`]; an op uses at most 3, so none it asked for is
 /// dropped (and freed before its launch) while it still needs it.
 const TABLES: usize = 8;
 
-const Q8: usize = 0;
-const PART: usize = 1;
+/// Scratch buffers: q8_1 activations, attention partials.
+pub(super) const Q8: usize = 0;
+pub(super) const PART: usize = 1;
 
 /// Unwraps the result of an op; see the module docs for why this ends the process.
-fn ok<T>(what: &str, r: Result<T>) -> T {
+pub(super) fn ok<T>(what: &str, r: Result<T>) -> T {
     match r {
         Ok(v) => v,
         Err(e) => panic!("infer: CUDA backend failed in {what}: {e:#}"),
     }
 }
 
-fn i32s(v: impl IntoIterator<Item = usize>) -> Vec<i32> {
+pub(super) fn i32s(v: impl IntoIterator<Item = usize>) -> Vec<i32> {
     v.into_iter().map(|x| x as i32).collect()
 }
 
@@ -79,7 +90,17 @@ impl CudaBackend {
             l,
             scratch: Mutex::new([None, None]),
             tables: Mutex::new(Vec::with_capacity(TABLES)),
+            epoch: AtomicU64::new(0),
+            q8_ready: Mutex::new(None),
         }
+    }
+
+    /// The launcher, for one op: every launch and upload of an activation goes through here, so
+    /// that a fused kernel's q8_1 blocks are known stale once anything else ran (a new activation
+    /// at a freed one's address is caught in `act`).
+    pub(super) fn l(&self) -> &dyn Launch {
+        self.epoch.fetch_add(1, Ordering::Relaxed);
+        &*self.l
     }
 
     pub fn launcher(&self) -> &Arc<dyn Launch> {
@@ -90,7 +111,10 @@ impl CudaBackend {
     pub fn upload(&self, a: &mut CudaAct, data: &[f32]) {
         assert_eq!(data.len(), a.rows * a.cols, "upload: shape");
         let bytes = super::launch::f32_bytes(data);
-        ok("uploading an activation", self.l.upload(a.buf.ptr, &bytes))
+        ok(
+            "uploading an activation",
+            self.l().upload(a.buf.ptr, &bytes),
+        )
     }
 
     /// Device memory bandwidth in bytes/s (read + written), for `infer bench`: one `scale` pass
@@ -98,13 +122,13 @@ impl CudaBackend {
     pub fn stream_bandwidth(&self, buf: &DevBuf) -> Result<f64> {
         self.l.sync()?;
         let t0 = std::time::Instant::now();
-        ops::scale(&*self.l, buf.ptr, 1.0, buf.bytes / 4)?;
+        ops::scale(self.l(), buf.ptr, 1.0, buf.bytes / 4)?;
         self.l.sync()?;
         Ok(2.0 * buf.bytes as f64 / t0.elapsed().as_secs_f64())
     }
 
     /// A device address of scratch buffer `which` holding at least `bytes`.
-    fn scratch(&self, which: usize, bytes: usize) -> Result<u64> {
+    pub(super) fn scratch(&self, which: usize, bytes: usize) -> Result<u64> {
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         if s[which].as_ref().is_none_or(|b| b.bytes < bytes) {
             s[which] = None; // free first: the old one is not needed any more
@@ -114,7 +138,7 @@ impl CudaBackend {
     }
 
     /// The device address of a table holding `v` (see `tables`).
-    fn ints(&self, v: &[i32]) -> Result<u64> {
+    pub(super) fn ints(&self, v: &[i32]) -> Result<u64> {
         let v = if v.is_empty() { &[0][..] } else { v };
         let mut t = self.tables.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(i) = t.iter().position(|(k, _)| k == v) {
@@ -125,104 +149,6 @@ impl CudaBackend {
             t.insert(0, (v.to_vec(), DevBuf::from_i32(&self.l, v)?));
         }
         Ok(t[0].1.ptr)
-    }
-
-    fn try_matmul_many(&self, x: &CudaAct, jobs: &mut [MatmulJob<'_, Self>]) -> Result<()> {
-        let l = &*self.l;
-        let n = x.rows;
-        let need_q8 = jobs
-            .iter()
-            .any(|(w, _, _)| ops::gemv_kernel(w.ty).is_some_and(|(_, q)| q));
-        let q8 = if need_q8 {
-            if !x.cols.is_multiple_of(32) {
-                bail!("matmul input width {} is not a multiple of 32", x.cols);
-            }
-            let q8 = self.scratch(Q8, n * x.cols / 32 * ops::Q8_1_BYTES)?;
-            ops::quantize_q8_1(l, x.buf.ptr, q8, n * x.cols)?;
-            q8
-        } else {
-            0
-        };
-        for (w, bias, out) in jobs.iter_mut() {
-            if w.cols != x.cols || out.cols != w.rows || out.rows != n {
-                bail!(
-                    "matmul shapes: weight {}x{}, input {}x{}, output {}x{}",
-                    w.rows,
-                    w.cols,
-                    n,
-                    x.cols,
-                    out.rows,
-                    out.cols
-                );
-            }
-            let quantized = ops::gemv_kernel(w.ty).is_some_and(|(_, q)| q);
-            let shape = (w.rows, w.cols, n);
-            if n > ops::GEMV_TOKENS && ops::gemm_kernel(w.ty).is_some() {
-                // Prefill: tensor-core tiles read the weights n/64 times instead of n/8.
-                ops::gemm(l, w.ty, w.buf.ptr, q8, out.buf.ptr, shape)?;
-                if let Some(b) = bias {
-                    ops::add_bias(l, out.buf.ptr, b.buf.ptr, n, w.rows)?;
-                }
-            } else {
-                // The GEMV adds the bias as it stores (one launch fewer per biased matmul).
-                let input = if quantized { q8 } else { x.buf.ptr };
-                let b = bias.map(|b| b.buf.ptr);
-                ops::gemv(l, w.ty, w.buf.ptr, input, out.buf.ptr, b, shape)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn try_attention(
-        &self,
-        q: &CudaAct,
-        kv: &CudaKv,
-        layer: usize,
-        queries: &[AttnQuery<'_>],
-        shape: AttnShape,
-        out: &mut CudaAct,
-    ) -> Result<()> {
-        let mut tables = Vec::new();
-        let mut meta = Vec::with_capacity(queries.len() * 3);
-        let mut longest = 1;
-        for qr in queries {
-            meta.extend([tables.len() as i32, qr.pos as i32, qr.lo as i32]);
-            tables.extend(qr.block_table.iter().map(|&b| b as i32));
-            longest = longest.max((qr.pos + 1).saturating_sub(qr.lo) as usize);
-        }
-        let (tables, meta) = (self.ints(&tables)?, self.ints(&meta)?);
-        // Rows of one sequence (a prefill chunk, a speculative verify) share K/V loads in the
-        // tiled kernel; lone rows (decode, batched decode) use split-KV flash decoding.
-        let tiles = ops::prefill_tiles(queries.len(), |i, j| queries[i].seq == queries[j].seq);
-        let tiled = tiles.len() / 2 < queries.len();
-        let n_split = longest.div_ceil(ops::ATTN_SPLIT);
-        let part_bytes = ops::attn_part_bytes(queries.len(), shape.n_head, shape.head_dim, n_split);
-        let a = AttnArgs {
-            q: q.buf.ptr,
-            k_cache: kv.k[layer].ptr,
-            v_cache: kv.v[layer].ptr,
-            tables,
-            meta,
-            part: if tiled {
-                0
-            } else {
-                self.scratch(PART, part_bytes)?
-            },
-            out: out.buf.ptr,
-            n_q: queries.len(),
-            n_head: shape.n_head,
-            n_head_kv: shape.n_head_kv,
-            head_dim: shape.head_dim,
-            block_size: kv.block_size,
-            kv_dim: kv.kv_dim,
-            scale: shape.scale,
-            n_split,
-        };
-        if tiled {
-            let tiles_d = self.ints(&tiles)?;
-            return ops::attention_prefill(&*self.l, &a, tiles_d, tiles.len() / 2);
-        }
-        ops::attention(&*self.l, &a)
     }
 }
 
@@ -315,6 +241,12 @@ impl Backend for CudaBackend {
             "allocating an activation",
             DevBuf::new(&self.l, rows * cols * 4),
         );
+        // The activation whose q8_1 blocks are on record was freed if this one took its place.
+        let mut r = self.q8_ready.lock().unwrap_or_else(|p| p.into_inner());
+        if r.is_some_and(|r| r.act == buf.ptr) {
+            *r = None;
+        }
+        drop(r);
         CudaAct { buf, rows, cols }
     }
 
@@ -328,7 +260,7 @@ impl Backend for CudaBackend {
             (|| {
                 let ids = self.ints(&i32s(tokens.iter().map(|&t| t as usize)))?;
                 ops::get_rows(
-                    &*self.l,
+                    self.l(),
                     table.ty,
                     table.buf.ptr,
                     ids,
@@ -341,11 +273,15 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &CudaAct, w: &CudaVec, eps: f32, out: &mut CudaAct) {
+        if w.len == x.cols {
+            // A whole row: the fused kernel, which also quantizes it for the next matmul.
+            return ok("rms_norm", self.try_norm(x, None, w, eps, out));
+        }
         let groups = x.rows * x.cols / w.len;
         ok(
             "rms_norm",
             ops::rms_norm(
-                &*self.l,
+                self.l(),
                 x.buf.ptr,
                 w.buf.ptr,
                 out.buf.ptr,
@@ -356,12 +292,45 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaAct,
+        y: &mut CudaAct,
+        y_norm: Option<&CudaVec>,
+        w: &CudaVec,
+        eps: f32,
+        out: &mut CudaAct,
+    ) {
+        assert_eq!(
+            (x.rows, x.cols),
+            (y.rows, y.cols),
+            "add_rms_norm: shapes differ"
+        );
+        if w.len != x.cols {
+            if let Some(yn) = y_norm {
+                self.rms_norm_inplace(y, yn, eps);
+            }
+            self.add(x, y);
+            return self.rms_norm(x, w, eps, out);
+        }
+        ok(
+            "add_rms_norm",
+            self.try_norm(x, Some((y, y_norm)), w, eps, out),
+        )
+    }
+
     fn rms_norm_inplace(&self, x: &mut CudaAct, w: &CudaVec, eps: f32) {
         let groups = x.rows * x.cols / w.len;
         ok(
             "rms_norm",
             ops::rms_norm(
-                &*self.l, x.buf.ptr, w.buf.ptr, x.buf.ptr, groups, w.len, eps,
+                self.l(),
+                x.buf.ptr,
+                w.buf.ptr,
+                x.buf.ptr,
+                groups,
+                w.len,
+                eps,
             ),
         )
     }
@@ -381,7 +350,7 @@ impl Backend for CudaBackend {
                 let pos = self.ints(&i32s(positions.iter().map(|&p| p as usize)))?;
                 let ff = ff.map(|f| f.buf.ptr);
                 ops::rope(
-                    &*self.l,
+                    self.l(),
                     x.buf.ptr,
                     pos,
                     ff,
@@ -395,27 +364,51 @@ impl Backend for CudaBackend {
     }
 
     fn scale(&self, x: &mut CudaAct, s: f32) {
-        ok("scale", ops::scale(&*self.l, x.buf.ptr, s, x.rows * x.cols))
+        ok("scale", ops::scale(self.l(), x.buf.ptr, s, x.rows * x.cols))
     }
 
     fn add(&self, x: &mut CudaAct, y: &CudaAct) {
         assert_eq!((x.rows, x.cols), (y.rows, y.cols), "add: shapes differ");
         ok(
             "add",
-            ops::add(&*self.l, x.buf.ptr, y.buf.ptr, x.rows * x.cols),
+            ops::add(self.l(), x.buf.ptr, y.buf.ptr, x.rows * x.cols),
         )
     }
 
     fn glu(&self, gate: &mut CudaAct, up: &CudaAct, act: Activation) {
         ok(
             "glu",
-            ops::glu(
-                &*self.l,
-                gate.buf.ptr,
-                up.buf.ptr,
-                gate.rows * gate.cols,
-                act,
-            ),
+            (|| {
+                let n = gate.rows * gate.cols;
+                match self.q8_scratch(n, gate.cols)? {
+                    Some(q8) => {
+                        ops::glu_q8(self.l(), gate.buf.ptr, up.buf.ptr, q8, n, act)?;
+                        self.set_q8(gate, q8);
+                        Ok(())
+                    }
+                    None => ops::glu(self.l(), gate.buf.ptr, up.buf.ptr, n, act),
+                }
+            })(),
+        )
+    }
+
+    fn attention_block(
+        &self,
+        h: &CudaAct,
+        blk: &AttnBlock<'_, Self>,
+        kv: &mut CudaKv,
+        layer: usize,
+        batch: &AttnBatch<'_, '_>,
+        s: AttnScratch<'_, Self>,
+        out: &mut CudaAct,
+    ) {
+        let hd = batch.shape.head_dim;
+        if !hd.is_multiple_of(2) || hd > ops::ATTN_MAX_HD || blk.rope.head_dim != hd {
+            return attention_block_steps(self, h, blk, kv, layer, batch, s, out);
+        }
+        ok(
+            "attention_block",
+            self.try_attention_block(h, blk, kv, layer, batch, s, out),
         )
     }
 
@@ -444,7 +437,7 @@ impl Backend for CudaBackend {
                 let s = self.ints(&i32s(slots.iter().copied()))?;
                 let caches = (kv.k[layer].ptr, kv.v[layer].ptr);
                 ops::kv_write(
-                    &*self.l,
+                    self.l(),
                     caches,
                     (k.buf.ptr, v.buf.ptr),
                     s,
@@ -479,7 +472,7 @@ impl Backend for CudaBackend {
             (|| {
                 let r = self.ints(&i32s(rows.iter().copied()))?;
                 let s = DevBuf::from_f32(&self.l, scales)?;
-                ops::add_rows_scaled(&*self.l, x.buf.ptr, y.buf.ptr, r, s.ptr, rows.len(), x.cols)
+                ops::add_rows_scaled(self.l(), x.buf.ptr, y.buf.ptr, r, s.ptr, rows.len(), x.cols)
             })(),
         )
     }
@@ -488,7 +481,7 @@ impl Backend for CudaBackend {
         ok(
             "copy_heads",
             ops::copy_heads(
-                &*self.l,
+                self.l(),
                 src.buf.ptr,
                 dst.buf.ptr,
                 src.rows,
@@ -505,7 +498,7 @@ impl Backend for CudaBackend {
                 "gather_rows",
                 (|| {
                     let idx = self.ints(&i32s(rows.iter().copied()))?;
-                    ops::gather_rows(&*self.l, x.buf.ptr, idx, out.buf.ptr, rows.len(), x.cols)
+                    ops::gather_rows(self.l(), x.buf.ptr, idx, out.buf.ptr, rows.len(), x.cols)
                 })(),
             );
         }

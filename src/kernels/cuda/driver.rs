@@ -8,10 +8,10 @@ use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Context, Result};
-use cudarc::driver::{result, sys, CudaContext, CudaStream};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
 
 use super::graphs::{Graphs, Queued};
-use super::launch::{Arg, Launch};
+use super::launch::{Arg, Launch, Timed};
 use super::module::{self, Image};
 
 /// A CUDA device with the kernels loaded.
@@ -24,6 +24,17 @@ pub struct CudaDriver {
     module: Module,
     funcs: Mutex<HashMap<String, Func>>,
     desc: String,
+    /// While profiling: each launch with the events recorded around it (graphs bypassed).
+    profile: Mutex<Option<Vec<Profiled>>>,
+}
+
+/// A launch being timed: kernel, arguments, and the events before and after it.
+struct Profiled {
+    name: &'static str,
+    grid: [u32; 3],
+    args: Vec<Arg>,
+    start: CudaEvent,
+    end: CudaEvent,
 }
 
 /// A loaded module handle.
@@ -92,6 +103,7 @@ fn open() -> Result<Arc<CudaDriver>> {
         funcs: Mutex::new(HashMap::new()),
         graphs: (std::env::var("INFER_CUDA_GRAPHS").as_deref() != Ok("0"))
             .then(|| Mutex::new(Graphs::new())),
+        profile: Mutex::new(None),
     }))
 }
 
@@ -198,7 +210,24 @@ impl Launch for CudaDriver {
     fn launch(&self, name: &str, grid: [u32; 3], block: [u32; 3], args: &[Arg]) -> Result<()> {
         self.bind()?;
         let f = self.func(name)?;
-        if let Some(g) = &self.graphs {
+        let mut profile = self.profile.lock().unwrap_or_else(|p| p.into_inner());
+        let timed = match profile.as_mut() {
+            Some(p) => {
+                self.flush()?; // nothing is queued while profiling, but a run may be pending
+                let ev = || {
+                    self.ctx
+                        .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                        .map_err(|e| anyhow!("creating a CUDA event: {}", cu(&e)))
+                };
+                let (start, end) = (ev()?, ev()?);
+                start
+                    .record(&self.stream)
+                    .map_err(|e| anyhow!("recording a CUDA event: {}", cu(&e)))?;
+                Some((p, start, end))
+            }
+            None => None,
+        };
+        if let (Some(g), None) = (&self.graphs, &timed) {
             g.lock().unwrap_or_else(|p| p.into_inner()).push(Queued {
                 name: f.1,
                 func: f.0,
@@ -225,7 +254,19 @@ impl Launch for CudaDriver {
                 &mut params,
             )
         }
-        .map_err(|e| anyhow!("launching {name}: {}", cu(&e)))
+        .map_err(|e| anyhow!("launching {name}: {}", cu(&e)))?;
+        if let Some((p, start, end)) = timed {
+            end.record(&self.stream)
+                .map_err(|e| anyhow!("recording a CUDA event: {}", cu(&e)))?;
+            p.push(Profiled {
+                name: f.1,
+                grid,
+                args: args.to_vec(),
+                start,
+                end,
+            });
+        }
+        Ok(())
     }
 
     fn sync(&self) -> Result<()> {
@@ -238,5 +279,33 @@ impl Launch for CudaDriver {
 
     fn mem_info(&self) -> Option<(usize, usize)> {
         self.ctx.mem_get_info().ok()
+    }
+
+    fn profile_start(&self) -> bool {
+        *self.profile.lock().unwrap_or_else(|p| p.into_inner()) = Some(Vec::new());
+        true
+    }
+
+    fn profile_stop(&self) -> Result<Vec<Timed>> {
+        let runs = self
+            .profile
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        self.sync()?;
+        let mut out = Vec::new();
+        for p in runs.unwrap_or_default() {
+            let ms = p
+                .start
+                .elapsed_ms(&p.end)
+                .map_err(|e| anyhow!("timing {}: {}", p.name, cu(&e)))?;
+            out.push(Timed {
+                name: p.name.to_string(),
+                grid: p.grid,
+                args: p.args,
+                secs: ms as f64 / 1e3,
+            });
+        }
+        Ok(out)
     }
 }

@@ -47,6 +47,24 @@ pub trait Launch: Send + Sync {
     fn mem_info(&self) -> Option<(usize, usize)> {
         None
     }
+    /// Starts timing every launch on the device, one at a time (`infer bench --profile`); false
+    /// where this implementation cannot.
+    fn profile_start(&self) -> bool {
+        false
+    }
+    /// Stops timing and returns every launch timed since [`Launch::profile_start`], in order.
+    fn profile_stop(&self) -> Result<Vec<Timed>> {
+        Ok(Vec::new())
+    }
+}
+
+/// One launch timed on the device: its kernel, grid, arguments and duration.
+#[derive(Clone, Debug)]
+pub struct Timed {
+    pub name: String,
+    pub grid: [u32; 3],
+    pub args: Vec<Arg>,
+    pub secs: f64,
 }
 
 /// Device memory owned by the host side; freed on drop.

@@ -14,4 +14,6 @@ mod graphs;
 pub mod launch;
 pub mod module;
 pub mod ops;
+pub mod profile;
+mod sublayers;
 pub mod vram;

@@ -94,6 +94,9 @@ pub fn gemv(
     let Some((name, _)) = gemv_kernel(ty) else {
         bail!("no CUDA matmul kernel for {}", ty.name());
     };
+    if ty == GgmlType::Q4K && !w.is_multiple_of(16) {
+        bail!("gemv_q4_k reads 16-byte-aligned weights (at {w:#x})");
+    }
     let grid = [
         rows.div_ceil(4) as u32,
         ntok.div_ceil(GEMV_TOKENS) as u32,
@@ -108,6 +111,61 @@ pub fn gemv(
         i32a(ntok),
         Arg::Ptr(bias.unwrap_or(0)),
     ];
+    l.launch(name, grid, [128, 1, 1], &args)
+}
+
+/// Most matrices one [`gemv_multi`] launch takes.
+pub const GEMV_MULTI: usize = 3;
+
+/// The kernel running up to [`GEMV_MULTI`] GEMVs of one quantized type in one launch.
+pub fn gemv_multi_kernel(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::Q4_0 => "gemv_multi_q4_0",
+        GgmlType::Q5_0 => "gemv_multi_q5_0",
+        GgmlType::Q8_0 => "gemv_multi_q8_0",
+        GgmlType::Q4K => "gemv_multi_q4_k",
+        GgmlType::Q6K => "gemv_multi_q6_k",
+        _ => return None,
+    })
+}
+
+/// One matrix of a [`gemv_multi`] launch: weight, output, optional bias, rows.
+pub type GemvPart = (u64, u64, Option<u64>, usize);
+
+/// [`gemv`] of up to [`GEMV_MULTI`] `rows_j × cols` matrices of type `ty` with the same `ntok`
+/// rows of q8_1 activations `xq`, in one launch.
+pub fn gemv_multi(
+    l: &dyn Launch,
+    ty: GgmlType,
+    xq: u64,
+    parts: &[GemvPart],
+    (cols, ntok): (usize, usize),
+) -> Result<()> {
+    let Some(name) = gemv_multi_kernel(ty) else {
+        bail!("no multi-matrix CUDA GEMV for {}", ty.name());
+    };
+    if parts.is_empty() || parts.len() > GEMV_MULTI {
+        bail!(
+            "gemv_multi takes 1 to {GEMV_MULTI} matrices, not {}",
+            parts.len()
+        );
+    }
+    if ty == GgmlType::Q4K && parts.iter().any(|p| !p.0.is_multiple_of(16)) {
+        bail!("gemv_multi_q4_k reads 16-byte-aligned weights");
+    }
+    let mut args = vec![Arg::Ptr(xq), i32a(cols), i32a(ntok)];
+    let mut blocks = 0;
+    for j in 0..GEMV_MULTI {
+        let (w, out, bias, rows) = parts.get(j).copied().unwrap_or((0, 0, None, 0));
+        args.extend([
+            Arg::Ptr(w),
+            Arg::Ptr(out),
+            Arg::Ptr(bias.unwrap_or(0)),
+            i32a(rows),
+        ]);
+        blocks += rows.div_ceil(4);
+    }
+    let grid = [blocks as u32, ntok.div_ceil(GEMV_TOKENS) as u32, 1];
     l.launch(name, grid, [128, 1, 1], &args)
 }
 
@@ -210,17 +268,135 @@ pub fn rope(
     l.launch("rope", grid1(rows * cols / 2, 256), [256, 1, 1], &args)
 }
 
-pub fn glu(l: &dyn Launch, gate: u64, up: u64, n: usize, act: Activation) -> Result<()> {
-    let code = match act {
+/// One row-wise stretch of `add_rms_norm_q8` (fused.cu): with `y = Some((y, yw))`, `x += y`
+/// (y RMS-normed by `yw` first when given); then `out = rms_norm(x) * w` over rows of `n`, and its
+/// q8_1 blocks into `q8` when given (`n` a multiple of 32).
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_q8(
+    l: &dyn Launch,
+    x: u64,
+    y: Option<(u64, Option<u64>)>,
+    w: u64,
+    out: u64,
+    q8: Option<u64>,
+    (rows, n): (usize, usize),
+    eps: f32,
+) -> Result<()> {
+    if q8.is_some() && !n.is_multiple_of(32) {
+        bail!("add_rms_norm_q8: rows of {n} cannot be quantized to q8_1");
+    }
+    let (y, yw) = match y {
+        Some((y, yw)) => (y, yw.unwrap_or(0)),
+        None => (0, 0),
+    };
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(y),
+        Arg::Ptr(yw),
+        Arg::Ptr(w),
+        Arg::Ptr(out),
+        Arg::Ptr(q8.unwrap_or(0)),
+        i32a(n),
+        Arg::F32(eps),
+    ];
+    l.launch("add_rms_norm_q8", [rows as u32, 1, 1], [256, 1, 1], &args)
+}
+
+/// What [`rope_kv`] does to each head besides rotating it.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeKv {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub base: f32,
+    pub style: RopeStyle,
+    /// Frequency factors (head_dim / 2), device f32.
+    pub ff: Option<u64>,
+    /// Per-head RMS norm weights of q and of k (head_dim), device f32.
+    pub q_norm: Option<u64>,
+    pub k_norm: Option<u64>,
+    pub eps: f32,
+    /// Multiplies q after RoPE (1.0: none).
+    pub q_scale: f32,
+}
+
+/// The fused `rope_kv` (fused.cu) over `rows` rows: q (rows × n_head·head_dim) normed, rotated
+/// and scaled in place; k normed and rotated and v copied, both as f16, into the caches at device
+/// i32 `slots` (k is not written). `pos`: device i32 per row.
+pub fn rope_kv(
+    l: &dyn Launch,
+    (q, k, v): (u64, u64, u64),
+    (kc, vc): (u64, u64),
+    (slots, pos): (u64, u64),
+    rows: usize,
+    r: &RopeKv,
+) -> Result<()> {
+    if !r.head_dim.is_multiple_of(2) || r.head_dim > ATTN_MAX_HD {
+        bail!(
+            "rope_kv: head_dim {} (even, at most {ATTN_MAX_HD})",
+            r.head_dim
+        );
+    }
+    let theta_scale = r.base.powf(-2.0 / r.head_dim as f32);
+    let args = [
+        Arg::Ptr(q),
+        Arg::Ptr(k),
+        Arg::Ptr(v),
+        Arg::Ptr(kc),
+        Arg::Ptr(vc),
+        Arg::Ptr(slots),
+        Arg::Ptr(pos),
+        Arg::Ptr(r.ff.unwrap_or(0)),
+        Arg::Ptr(r.q_norm.unwrap_or(0)),
+        Arg::Ptr(r.k_norm.unwrap_or(0)),
+        i32a(r.n_head),
+        i32a(r.n_head_kv),
+        i32a(r.head_dim),
+        Arg::F32(theta_scale),
+        Arg::I32((r.style == RopeStyle::Neox) as i32),
+        Arg::F32(r.q_scale),
+        Arg::F32(r.eps),
+    ];
+    let grid = [rows as u32, (r.n_head + r.n_head_kv) as u32, 1];
+    l.launch("rope_kv", grid, [128, 1, 1], &args)
+}
+
+/// `gate = act(gate) * up` over `n` values (a multiple of 32) and its q8_1 blocks into `q8`.
+pub fn glu_q8(
+    l: &dyn Launch,
+    gate: u64,
+    up: u64,
+    q8: u64,
+    n: usize,
+    act: Activation,
+) -> Result<()> {
+    if !n.is_multiple_of(32) {
+        bail!("glu_q8: {n} values cannot be quantized to q8_1");
+    }
+    let args = [
+        Arg::Ptr(gate),
+        Arg::Ptr(up),
+        Arg::Ptr(q8),
+        Arg::I64(n as i64),
+        Arg::I32(act_code(act)),
+    ];
+    l.launch("glu_q8", grid1(n, 128), [128, 1, 1], &args)
+}
+
+fn act_code(act: Activation) -> i32 {
+    match act {
         Activation::Silu => 0,
         Activation::GeluTanh => 1,
         Activation::GeluTanhF32 => 2,
-    };
+    }
+}
+
+pub fn glu(l: &dyn Launch, gate: u64, up: u64, n: usize, act: Activation) -> Result<()> {
     let args = [
         Arg::Ptr(gate),
         Arg::Ptr(up),
         Arg::I64(n as i64),
-        Arg::I32(code),
+        Arg::I32(act_code(act)),
     ];
     l.launch("glu", grid1(n, 256), [256, 1, 1], &args)
 }
@@ -358,6 +534,9 @@ pub struct AttnArgs {
     /// Scratch of at least [`attn_part_bytes`].
     pub part: u64,
     pub out: u64,
+    /// Where the decode path also writes the q8_1 blocks of `out` (0: not; head_dim a multiple
+    /// of 32). The tiled prefill kernel does not.
+    pub q8: u64,
     pub n_q: usize,
     pub n_head: usize,
     pub n_head_kv: usize,
@@ -392,6 +571,12 @@ fn check_attn_shape(a: &AttnArgs) -> Result<()> {
             a.head_dim
         );
     }
+    if a.q8 != 0 && !a.head_dim.is_multiple_of(32) {
+        bail!(
+            "attention: q8_1 output needs head_dim a multiple of 32, not {}",
+            a.head_dim
+        );
+    }
     Ok(())
 }
 
@@ -411,6 +596,7 @@ fn attention_split(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
         Arg::F32(a.scale),
         i32a(a.n_split),
         Arg::Ptr(a.out),
+        Arg::Ptr(a.q8),
     ];
     let grid = [a.n_q as u32, a.n_head_kv as u32, a.n_split as u32];
     l.launch("attn_split", grid, [128, 1, 1], &args)?;
@@ -423,6 +609,7 @@ fn attention_split(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
         i32a(a.n_head),
         i32a(a.head_dim),
         i32a(a.n_split),
+        Arg::Ptr(a.q8),
     ];
     l.launch(
         "attn_merge",

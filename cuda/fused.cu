@@ -1,0 +1,132 @@
+// The decode step's work between the big matrix products, fused so that each stretch is one launch
+// instead of three or four: the residual add (with Gemma's norm of the sublayer output) + the RMS
+// norm + the q8_1 quantization the next GEMV reads; the per-head q/k norms + RoPE of q and k + q's
+// scale + the f16 KV-cache write; and the gated activation + q8_1. Each computes what the unfused
+// kernels of ops.cu and gemv.cu compute, in the same order where the result depends on it (the
+// norm's block sum, the RoPE angles, the activation), so that the backend may take either path.
+#include "common.cuh"
+
+/// Per row (grid (rows), block (256)), with n values a row:
+///   y' = yw ? y / rms(y) * yw : y      (only when y is given; y itself is not written)
+///   x += y'                            (only when y is given)
+///   out = x / rms(x) * w
+///   q8 = q8_1(out)                     (only when q8 is given; then n % 32 == 0)
+/// The sums of squares are taken as rms_norm's (`block_sum` over 256 threads, thread i summing
+/// elements i, i + 256, ...), so out equals rms_norm(x + y') bit for bit. out may not alias x or y.
+extern "C" __global__ void __launch_bounds__(256)
+    add_rms_norm_q8(float* x, const float* __restrict__ y, const float* __restrict__ yw,
+                    const float* __restrict__ w, float* __restrict__ out,
+                    uint8_t* __restrict__ q8, int n, float eps) {
+  __shared__ float scratch[32];
+  float* xr = x + (size_t)blockIdx.x * n;
+  float* o = out + (size_t)blockIdx.x * n;
+  if (y) {
+    const float* yr = y + (size_t)blockIdx.x * n;
+    float ys = 1.0f;
+    if (yw) {
+      float ss = 0.0f;
+      for (int i = threadIdx.x; i < n; i += blockDim.x) ss += yr[i] * yr[i];
+      ss = block_sum(ss, scratch);
+      ys = 1.0f / sqrtf(ss / (float)n + eps);
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const float v = yw ? (yr[i] * ys) * yw[i] : yr[i];
+      xr[i] += v;  // each thread reads back only its own elements below
+    }
+  }
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, scratch);
+  const float scale = 1.0f / sqrtf(ss / (float)n + eps);
+  // With n % 32 == 0 a warp's 32 consecutive elements are one q8_1 block, and the loop condition
+  // is the same for all its lanes.
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = (xr[i] * scale) * w[i];
+    o[i] = v;
+    if (q8) q8_1_warp(v, q8 + ((size_t)blockIdx.x * n + (i & ~31)) / 32 * Q8_1_BYTES);
+  }
+}
+EMU_EXPORT(add_rms_norm_q8)
+
+/// The attention sublayer between the Q/K/V products and attention, for `rows` rows: grid (rows,
+/// n_head + n_head_kv), block (128); block (r, h) takes query head h (h < n_head) or KV head
+/// h - n_head. A head is first RMS-normed when its norm weights (qn, kn: head_dim) are given, then
+/// rotated as the `rope` kernel rotates it (theta_i = pos * theta_scale^i by repeated
+/// multiplication, divided by ff[i] when given); a query head is then multiplied by q_scale and
+/// written back to q, a KV head is written as f16 to kc at cache slot slots[r], and the matching
+/// head of v to vc (k itself is not written). head_dim is even and at most 256.
+extern "C" __global__ void __launch_bounds__(128)
+    rope_kv(float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+            __half* __restrict__ kc, __half* __restrict__ vc, const int* __restrict__ slots,
+            const int* __restrict__ pos, const float* __restrict__ ff,
+            const float* __restrict__ qn, const float* __restrict__ kn, int n_head, int n_head_kv,
+            int head_dim, float theta_scale, int neox, float q_scale, float eps) {
+  __shared__ float scratch[32];
+  const int r = blockIdx.x, h = blockIdx.y, half = head_dim / 2;
+  const bool is_q = h < n_head;
+  const int kvh = h - n_head, kv_dim = n_head_kv * head_dim;
+  const float* src = is_q ? q + ((size_t)r * n_head + h) * head_dim
+                          : k + (size_t)r * kv_dim + (size_t)kvh * head_dim;
+  const float* nw = is_q ? qn : kn;
+  // Each thread holds up to two pairs (head_dim <= 256 with 128 threads).
+  float x0[2] = {0.0f, 0.0f}, x1[2] = {0.0f, 0.0f};
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 2; j++) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i < half) {
+      const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+      x0[j] = src[a];
+      x1[j] = src[b];
+      ss += x0[j] * x0[j] + x1[j] * x1[j];
+    }
+  }
+  float nscale = 1.0f;
+  if (nw) {
+    ss = block_sum(ss, scratch);
+    nscale = 1.0f / sqrtf(ss / (float)head_dim + eps);
+  }
+  const float p = (float)pos[r];
+#pragma unroll
+  for (int j = 0; j < 2; j++) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i >= half) continue;
+    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+    float u0 = x0[j], u1 = x1[j];
+    if (nw) {
+      u0 = (u0 * nscale) * nw[a];
+      u1 = (u1 * nscale) * nw[b];
+    }
+    float theta = p;
+    for (int t = 0; t < i; t++) theta *= theta_scale;
+    if (ff) theta = theta / ff[i];
+    const float c = cosf(theta), s = sinf(theta);
+    const float y0 = fmaf(u0, c, -(u1 * s)), y1 = fmaf(u0, s, u1 * c);
+    if (is_q) {
+      float* d = q + ((size_t)r * n_head + h) * head_dim;
+      d[a] = y0 * q_scale;
+      d[b] = y1 * q_scale;
+    } else {
+      const size_t base = (size_t)slots[r] * kv_dim + (size_t)kvh * head_dim;
+      const float* vr = v + (size_t)r * kv_dim + (size_t)kvh * head_dim;
+      kc[base + a] = __float2half_rn(y0);
+      kc[base + b] = __float2half_rn(y1);
+      vc[base + a] = __float2half_rn(vr[a]);
+      vc[base + b] = __float2half_rn(vr[b]);
+    }
+  }
+}
+EMU_EXPORT(rope_kv)
+
+/// gate = act(gate) * up (ops.cu's `glu`) and its q8_1 blocks into q8: grid (ceil(n / 128)),
+/// block (128); n % 32 == 0.
+extern "C" __global__ void __launch_bounds__(128)
+    glu_q8(float* gate, const float* __restrict__ up, uint8_t* __restrict__ q8, long long n,
+           int act) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;  // whole warps: n % 32 == 0
+  const float y = glu_act(gate[i], act) * up[i];
+  gate[i] = y;
+  q8_1_warp(y, q8 + (size_t)(i / 32) * Q8_1_BYTES);
+}
+EMU_EXPORT(glu_q8)

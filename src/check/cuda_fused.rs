@@ -1,0 +1,272 @@
+//! The fused kernels' check (part of [`super::cuda_kernels::run_all`]): `add_rms_norm_q8`,
+//! `rope_kv` and `glu_q8` (cuda/fused.cu) against the CPU backend's scalar ops composed as the
+//! unfused path composes them (`kernels::cpu::ops`: RMS norm, RoPE caches and rotation, the gated
+//! activations) and the crate's q8_1 quantizer, at ragged shapes: rows of 100 (no q8_1), 640
+//! (Gemma-3-270M's width) and 896/1536, with and without the residual add and Gemma's norm of the
+//! sublayer output; GQA and MQA head layouts with both RoPE pairings, frequency factors, per-head
+//! q/k norms, q scaling and scattered KV slots. The q8_1 blocks are held bit for bit to the
+//! reference quantizer applied to the kernel's own f32 output.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+use half::f16;
+
+use super::cuda_kernels::{floats, max_abs, max_rel, Check};
+use crate::kernels::cpu::ops as cpu;
+use crate::kernels::cuda::launch::{DevBuf, Launch};
+use crate::kernels::cuda::ops::{self, RopeKv};
+use crate::model::config::{Activation, RopeStyle};
+use crate::quant::quantize::quantize_row_q8_1;
+
+pub fn fused(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
+    add_rms_norm(l, out)?;
+    rope_kv(l, out)?;
+    glu(l, out)?;
+    Ok(())
+}
+
+fn push(out: &mut Vec<Check>, kernel: &str, shape: String, err: f64, tol: f64, secs: f64) {
+    out.push(Check {
+        kernel: kernel.into(),
+        shape,
+        err,
+        tol,
+        secs,
+    });
+}
+
+/// Runs `f`, waits, and returns its duration.
+fn timed(l: &Arc<dyn Launch>, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+    l.sync()?;
+    let t = Instant::now();
+    f()?;
+    l.sync()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Bytes of `q8` that differ from the reference quantizer's q8_1 of `x`.
+fn q8_diff(q8: &[u8], x: &[f32]) -> usize {
+    let mut want = vec![0u8; x.len() / 32 * ops::Q8_1_BYTES];
+    quantize_row_q8_1(x, &mut want);
+    q8.iter().zip(&want).filter(|(a, b)| a != b).count() + q8.len().abs_diff(want.len())
+}
+
+fn add_rms_norm(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
+    // (rows, n, residual add, norm of the added rows, q8_1)
+    let cases = [
+        (1, 64, false, false, true),
+        (3, 896, true, false, true),
+        (2, 1536, true, true, true),
+        (5, 640, true, true, true),
+        (2, 100, true, false, false),
+    ];
+    let eps = 1e-6;
+    for (rows, n, add, post, q8) in cases {
+        let x: Vec<f32> = floats(rows * n, 31).iter().map(|v| v * 4.0).collect();
+        let y: Vec<f32> = floats(rows * n, 32).iter().map(|v| v * 2.0).collect();
+        let (w, yw) = (floats(n, 33), floats(n, 34));
+        let (xd, yd, wd, ywd) = (
+            DevBuf::from_f32(l, &x)?,
+            DevBuf::from_f32(l, &y)?,
+            DevBuf::from_f32(l, &w)?,
+            DevBuf::from_f32(l, &yw)?,
+        );
+        let od = DevBuf::new(l, rows * n * 4)?;
+        let qd = DevBuf::new(l, rows * n / 32 * ops::Q8_1_BYTES + 4)?;
+        let yarg = add.then_some((yd.ptr, post.then_some(ywd.ptr)));
+        let secs = timed(l, || {
+            let q = q8.then_some(qd.ptr);
+            ops::add_rms_norm_q8(&**l, xd.ptr, yarg, wd.ptr, od.ptr, q, (rows, n), eps)
+        })?;
+        // The unfused path: rms_norm_inplace(y, yw); add(x, y); rms_norm(x, w).
+        let mut xr = x.clone();
+        if add {
+            let mut yn = y.clone();
+            if post {
+                yn.chunks_exact_mut(n)
+                    .for_each(|r| cpu::rms_norm_inplace(r, &yw, eps));
+            }
+            xr.iter_mut().zip(&yn).for_each(|(a, b)| *a += b);
+        }
+        let mut want = vec![0f32; rows * n];
+        for (xs, ys) in xr.chunks_exact(n).zip(want.chunks_exact_mut(n)) {
+            cpu::rms_norm(xs, &w, eps, ys);
+        }
+        let got = od.to_f32()?;
+        let err =
+            max_rel(&got, &want, max_abs(&want)).max(max_rel(&xd.to_f32()?, &xr, max_abs(&xr)));
+        let what = match (add, post) {
+            (false, _) => "norm",
+            (true, false) => "add + norm",
+            (true, true) => "norm y + add + norm",
+        };
+        let shape = format!("{rows}x{n} {what} (rel. to max)");
+        push(out, "add_rms_norm_q8", shape, err, 1e-5, secs);
+        if q8 {
+            let bytes = qd.to_bytes()?[..rows * n / 32 * ops::Q8_1_BYTES].to_vec();
+            let diff = q8_diff(&bytes, &got);
+            let shape = format!("{rows}x{n} q8_1 of its output (bytes differing)");
+            push(out, "add_rms_norm_q8", shape, diff as f64, 0.0, 0.0);
+        }
+    }
+    Ok(())
+}
+
+/// (rows, heads, KV heads, head_dim, pairing, frequency factors, q/k norms, q scale)
+type RopeCase = (usize, usize, usize, usize, RopeStyle, bool, bool, f32);
+
+fn rope_kv(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
+    let cases: [RopeCase; 4] = [
+        (3, 4, 2, 64, RopeStyle::Normal, false, false, 1.0),
+        (2, 8, 1, 128, RopeStyle::Neox, true, true, 0.125),
+        (1, 2, 2, 256, RopeStyle::Normal, false, true, 1.0),
+        (2, 3, 3, 80, RopeStyle::Neox, false, false, 0.5),
+    ];
+    let (eps, base, slots_total) = (1e-6, 10000.0, 40);
+    for (rows, nh, nkv, hd, style, with_ff, norms, q_scale) in cases {
+        let (qd_, kvd) = (nh * hd, nkv * hd);
+        let q: Vec<f32> = floats(rows * qd_, 41).iter().map(|v| v * 2.0).collect();
+        let (k, v) = (floats(rows * kvd, 42), floats(rows * kvd, 43));
+        let (qn, kn) = (floats(hd, 44), floats(hd, 45));
+        let ff: Vec<f32> = (0..hd / 2).map(|i| 1.0 + (i % 3) as f32).collect();
+        let pos: Vec<i32> = [5, 4095, 130].iter().take(rows).copied().collect();
+        let slots: Vec<i32> = [33, 2, 17].iter().take(rows).copied().collect();
+        let dev = |v: &[f32]| DevBuf::from_f32(l, v);
+        let (qb, kb, vb) = (dev(&q)?, dev(&k)?, dev(&v)?);
+        let (qnb, knb, ffb) = (dev(&qn)?, dev(&kn)?, dev(&ff)?);
+        let (sb, pb) = (DevBuf::from_i32(l, &slots)?, DevBuf::from_i32(l, &pos)?);
+        let kc = DevBuf::new(l, slots_total * kvd * 2)?;
+        let vc = DevBuf::new(l, slots_total * kvd * 2)?;
+        let r = RopeKv {
+            n_head: nh,
+            n_head_kv: nkv,
+            head_dim: hd,
+            base,
+            style,
+            ff: with_ff.then_some(ffb.ptr),
+            q_norm: norms.then_some(qnb.ptr),
+            k_norm: norms.then_some(knb.ptr),
+            eps,
+            q_scale,
+        };
+        let secs = timed(l, || {
+            let caches = (kc.ptr, vc.ptr);
+            ops::rope_kv(
+                &**l,
+                (qb.ptr, kb.ptr, vb.ptr),
+                caches,
+                (sb.ptr, pb.ptr),
+                rows,
+                &r,
+            )
+        })?;
+        // The unfused path: per-head norms, RoPE of q and k, q's scale, the f16 KV write.
+        let (mut wq, mut wk) = (q.clone(), k.clone());
+        let mut cache = vec![0f32; hd];
+        for row in 0..rows {
+            let p = pos[row] as u32;
+            match with_ff {
+                true => cpu::rope_cache_scaled(p, base, hd, &ff, &mut cache),
+                false => cpu::rope_cache(p, base, hd, &mut cache),
+            }
+            let heads = [(&mut wq, qd_, &qn), (&mut wk, kvd, &kn)];
+            for (x, width, nw) in heads {
+                for h in x[row * width..(row + 1) * width].chunks_exact_mut(hd) {
+                    if norms {
+                        cpu::rms_norm_inplace(h, nw, eps);
+                    }
+                    cpu::rope_head(h, &cache, style);
+                }
+            }
+        }
+        wq.iter_mut().for_each(|x| *x *= q_scale);
+        let mut want_kc = vec![0f32; slots_total * kvd];
+        let mut want_vc = vec![0f32; slots_total * kvd];
+        for (row, &s) in slots.iter().enumerate() {
+            let (dst, src) = (
+                s as usize * kvd..(s as usize + 1) * kvd,
+                row * kvd..(row + 1) * kvd,
+            );
+            let f16s = |x: &[f32]| {
+                x.iter()
+                    .map(|&v| f16::from_f32(v).to_f32())
+                    .collect::<Vec<_>>()
+            };
+            want_kc[dst.clone()].copy_from_slice(&f16s(&wk[src.clone()]));
+            want_vc[dst].copy_from_slice(&f16s(&v[src]));
+        }
+        let err_q = max_rel(&qb.to_f32()?, &wq, max_abs(&wq));
+        let mut err_c = 0f64;
+        for (cache, want) in [(&kc, &want_kc), (&vc, &want_vc)] {
+            let got: Vec<f32> = cache
+                .to_bytes()?
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect();
+            err_c = err_c.max(max_rel(&got, want, max_abs(want)));
+        }
+        let shape = format!(
+            "{rows}x{nh}/{nkv}x{hd} {style:?}{}{}{}",
+            if with_ff { " +ff" } else { "" },
+            if norms { " +q/k norms" } else { "" },
+            if q_scale != 1.0 { " +scale" } else { "" }
+        );
+        push(
+            out,
+            "rope_kv",
+            format!("{shape}: q (rel. to max)"),
+            err_q,
+            1e-5,
+            secs,
+        );
+        // Against the reference rounded to f16: where the f32 values differ in their last bits
+        // (norms), one may round to the neighbouring f16 (2^-10 of the value at most).
+        push(
+            out,
+            "rope_kv",
+            format!("{shape}: f16 K/V (rel. to max)"),
+            err_c,
+            1e-3,
+            0.0,
+        );
+    }
+    Ok(())
+}
+
+fn glu(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
+    for (act, n) in [
+        (Activation::Silu, 1024),
+        (Activation::GeluTanh, 2080),
+        (Activation::GeluTanhF32, 512),
+    ] {
+        let g: Vec<f32> = floats(n, 51).iter().map(|v| v * 12.0).collect();
+        let u = floats(n, 52);
+        let (gd, ud) = (DevBuf::from_f32(l, &g)?, DevBuf::from_f32(l, &u)?);
+        let qd = DevBuf::new(l, n / 32 * ops::Q8_1_BYTES)?;
+        let secs = timed(l, || ops::glu_q8(&**l, gd.ptr, ud.ptr, qd.ptr, n, act))?;
+        let mut want = g.clone();
+        cpu::glu(&mut want, &u, act);
+        let got = gd.to_f32()?;
+        // As the `glu` check: ggml's expf approximation on the CPU, GELU's f16 rounding.
+        let tol = if act == Activation::GeluTanh {
+            1e-3
+        } else {
+            1e-5
+        };
+        let err = max_rel(&got, &want, max_abs(&want));
+        push(
+            out,
+            "glu_q8",
+            format!("{act:?} n={n} (rel. to max)"),
+            err,
+            tol,
+            secs,
+        );
+        let diff = q8_diff(&qd.to_bytes()?, &got);
+        let shape = format!("{act:?} n={n} q8_1 of its output (bytes differing)");
+        push(out, "glu_q8", shape, diff as f64, 0.0, 0.0);
+    }
+    Ok(())
+}

@@ -1,0 +1,220 @@
+//! `infer bench --profile`: the launches of some decode steps, timed one by one on the device
+//! (CUDA events around each, graphs bypassed: [`super::launch::Launch::profile_start`]), summed
+//! per kernel, with the bytes each kernel must move at least (weights, activations read and
+//! written, KV written) and so its achieved bandwidth. The bytes come from the launch's own
+//! arguments, as ops.rs lays them out; kernels whose traffic depends on more than their arguments
+//! (attention over a sequence's positions, embedding lookups) get no figure.
+
+use super::launch::{Arg, Timed};
+use super::ops::{self, Q8_1_BYTES};
+use crate::format::GgmlType;
+
+/// One kernel's share of the profiled steps.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelProfile {
+    pub name: String,
+    /// Launches per step.
+    pub launches: f64,
+    /// Seconds per step.
+    pub secs: f64,
+    /// Bytes moved per step, where every launch of it has a figure.
+    pub bytes: Option<f64>,
+}
+
+impl KernelProfile {
+    /// Achieved bandwidth in bytes/s.
+    pub fn bandwidth(&self) -> Option<f64> {
+        self.bytes.map(|b| b / self.secs.max(1e-12))
+    }
+}
+
+fn int(args: &[Arg], i: usize) -> Option<u64> {
+    match args.get(i)? {
+        Arg::I32(v) => u64::try_from(*v).ok(),
+        Arg::I64(v) => u64::try_from(*v).ok(),
+        _ => None,
+    }
+}
+
+fn ptr_set(args: &[Arg], i: usize) -> bool {
+    matches!(args.get(i), Some(Arg::Ptr(p)) if *p != 0)
+}
+
+fn weight_type(suffix: &str) -> Option<GgmlType> {
+    Some(match suffix {
+        "q4_0" => GgmlType::Q4_0,
+        "q5_0" => GgmlType::Q5_0,
+        "q8_0" => GgmlType::Q8_0,
+        "q4_k" => GgmlType::Q4K,
+        "q6_k" => GgmlType::Q6K,
+        "f16" => GgmlType::F16,
+        "f32" => GgmlType::F32,
+        _ => return None,
+    })
+}
+
+/// The weight type of a matrix-product launch (`gemv_<type>`, `gemm_<type>`).
+fn matmul_type(name: &str) -> Option<GgmlType> {
+    name.strip_prefix("gemv_")
+        .or_else(|| name.strip_prefix("gemm_"))
+        .and_then(weight_type)
+}
+
+/// (rows, cols, tokens) of a `gemv_multi_<type>` launch: (xq, cols, tokens, then per matrix w,
+/// out, bias, rows), the rows of all its matrices summed.
+fn multi_shape(t: &Timed) -> Option<(GgmlType, u64, u64, u64)> {
+    let ty = weight_type(t.name.strip_prefix("gemv_multi_")?)?;
+    let rows = (0..ops::GEMV_MULTI)
+        .map(|j| int(&t.args, 6 + 4 * j))
+        .sum::<Option<u64>>()?;
+    Some((ty, rows, int(&t.args, 1)?, int(&t.args, 2)?))
+}
+
+/// The weight bytes a matrix-product launch reads (None for other kernels).
+pub fn weight_bytes(t: &Timed) -> Option<u64> {
+    if let Some((ty, rows, cols, _)) = multi_shape(t) {
+        return Some(rows * ty.row_bytes(cols as usize)? as u64);
+    }
+    // (w, x, out, rows, cols, ..)
+    let (rows, cols) = (int(&t.args, 3)?, int(&t.args, 4)?);
+    Some(rows * matmul_type(&t.name)?.row_bytes(cols as usize)? as u64)
+}
+
+/// The least bytes a launch moves (see the module docs), from its arguments.
+pub fn launch_bytes(t: &Timed) -> Option<u64> {
+    let a = &t.args;
+    let q8 = |values: u64| values / 32 * Q8_1_BYTES as u64;
+    if let Some((_, rows, cols, n)) = multi_shape(t) {
+        return Some(weight_bytes(t)? + q8(n * cols) + n * rows * 4);
+    }
+    if let Some(ty) = matmul_type(&t.name) {
+        // (w, x, out, rows, cols, tokens, ..)
+        let (rows, cols, n) = (int(a, 3)?, int(a, 4)?, int(a, 5)?);
+        let w = weight_bytes(t)?;
+        let x = match ty {
+            GgmlType::F16 | GgmlType::F32 => n * cols * 4,
+            _ => q8(n * cols),
+        };
+        return Some(w + x + n * rows * 4);
+    }
+    match t.name.as_str() {
+        "quantize_q8_1" => {
+            let values = int(a, 2)? * 32;
+            Some(values * 4 + q8(values))
+        }
+        "add_rms_norm_q8" => {
+            // (x, y, yw, w, out, q8, n, eps); one row a block
+            let (rows, n) = (t.grid[0] as u64, int(a, 6)?);
+            let add = ptr_set(a, 1) as u64;
+            let rows_moved = 2 + 2 * add; // x and out, plus y read and x written back
+            let vectors = 1 + ptr_set(a, 2) as u64;
+            let quant = if ptr_set(a, 5) { q8(rows * n) } else { 0 };
+            Some(rows * n * 4 * rows_moved + vectors * n * 4 + quant)
+        }
+        "glu_q8" => {
+            let n = int(a, 3)?;
+            Some(n * 4 * 3 + q8(n))
+        }
+        "rope_kv" => {
+            // q read and written (f32), k and v read (f32) and written to the caches (f16)
+            let (nh, nkv, hd) = (int(a, 10)?, int(a, 11)?, int(a, 12)?);
+            let rows = t.grid[0] as u64;
+            Some(rows * (nh * hd * 8 + nkv * hd * (8 + 4)))
+        }
+        _ => None,
+    }
+}
+
+/// Sums `timed` (the launches of `steps` steps) per kernel, in order of first launch.
+pub fn summarize(timed: &[Timed], steps: usize) -> Vec<KernelProfile> {
+    let steps = steps.max(1) as f64;
+    let mut out: Vec<(KernelProfile, bool)> = Vec::new();
+    for t in timed {
+        let i = match out.iter().position(|(k, _)| k.name == t.name) {
+            Some(i) => i,
+            None => {
+                let k = KernelProfile {
+                    name: t.name.clone(),
+                    launches: 0.0,
+                    secs: 0.0,
+                    bytes: Some(0.0),
+                };
+                out.push((k, true));
+                out.len() - 1
+            }
+        };
+        let (k, known) = &mut out[i];
+        k.launches += 1.0 / steps;
+        k.secs += t.secs / steps;
+        match launch_bytes(t) {
+            Some(b) => k.bytes = k.bytes.map(|x| x + b as f64 / steps),
+            None => *known = false,
+        }
+    }
+    out.into_iter()
+        .map(|(mut k, known)| {
+            if !known {
+                k.bytes = None;
+            }
+            k
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timed(name: &str, grid: u32, args: Vec<Arg>, secs: f64) -> Timed {
+        Timed {
+            name: name.into(),
+            grid: [grid, 1, 1],
+            args,
+            secs,
+        }
+    }
+
+    #[test]
+    fn sums_per_kernel_with_bytes_from_the_arguments() {
+        let gemv = |rows: i32, secs| {
+            let a = vec![Arg::Ptr(1), Arg::Ptr(2), Arg::Ptr(3)];
+            let a = [
+                a,
+                vec![Arg::I32(rows), Arg::I32(1536), Arg::I32(1), Arg::Ptr(0)],
+            ]
+            .concat();
+            timed("gemv_q4_k", 1, a, secs)
+        };
+        let attn = timed("attn_split", 2, vec![Arg::Ptr(1)], 3e-6);
+        // Two steps: a 1536x1536 and a 256x1536 Q4_K product each, and attention.
+        let t = [gemv(1536, 4e-6), attn.clone(), gemv(256, 1e-6)];
+        let t: Vec<Timed> = t.iter().chain(t.iter()).cloned().collect();
+        let p = summarize(&t, 2);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p[0].name, "gemv_q4_k");
+        assert_eq!(p[0].launches, 2.0);
+        assert!((p[0].secs - 5e-6).abs() < 1e-15);
+        // Q4_K: 144 bytes per 256 values; q8_1 input of 1536 values; one f32 out per row.
+        let want = |rows: f64| rows * 6.0 * 144.0 + 48.0 * 36.0 + rows * 4.0;
+        assert_eq!(p[0].bytes, Some(want(1536.0) + want(256.0)));
+        let bw = p[0].bandwidth().unwrap();
+        assert!(
+            (bw - (want(1536.0) + want(256.0)) / 5e-6).abs() < 1.0,
+            "{bw}"
+        );
+        assert_eq!((p[1].name.as_str(), p[1].bytes), ("attn_split", None));
+    }
+
+    #[test]
+    fn fused_norm_counts_what_it_reads_and_writes() {
+        let a = |y: u64, yw: u64, q8: u64| {
+            let p = [1, y, yw, 4, 5, q8].map(Arg::Ptr).to_vec();
+            [p, vec![Arg::I32(1536), Arg::F32(1e-6)]].concat()
+        };
+        let row = 1536.0 * 4.0;
+        let plain = launch_bytes(&timed("add_rms_norm_q8", 1, a(0, 0, 6), 1e-6));
+        assert_eq!(plain, Some((2.0 * row + row + 48.0 * 36.0) as u64));
+        let full = launch_bytes(&timed("add_rms_norm_q8", 3, a(2, 3, 0), 1e-6));
+        assert_eq!(full, Some((3.0 * 4.0 * row + 2.0 * row) as u64));
+    }
+}

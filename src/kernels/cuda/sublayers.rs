@@ -1,0 +1,268 @@
+//! The CUDA backend's steps of several kernels, apart from `backend.rs`'s one-op-one-kernel
+//! methods: matmuls (GEMV or tensor-core GEMM by row count, GEMVs of one type sharing a launch),
+//! the fused residual add + norm, the attention sublayer (Q/K/V products, `rope_kv`, attention,
+//! output product) and attention itself; and the record of the q8_1 blocks a fused kernel wrote
+//! of its output, which lets the matmul that reads that output next skip its quantize launch.
+
+use std::sync::atomic::Ordering;
+
+use anyhow::{bail, Result};
+
+use super::backend::{i32s, CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight, PART, Q8};
+use super::ops::{self, AttnArgs, RopeKv};
+use crate::model::backend::{AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, MatmulJob};
+
+/// q8_1 blocks of an activation, valid while [`CudaBackend::epoch`] equals `epoch`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) struct Q8Ready {
+    pub(super) act: u64,
+    pub(super) values: usize,
+    pub(super) q8: u64,
+    pub(super) epoch: u64,
+}
+
+impl CudaBackend {
+    /// Records that `q8` holds the q8_1 blocks of `a` (just written by the last launch).
+    pub(super) fn set_q8(&self, a: &CudaAct, q8: u64) {
+        let r = Q8Ready {
+            act: a.buf.ptr,
+            values: a.rows * a.cols,
+            q8,
+            epoch: self.epoch.load(Ordering::Relaxed),
+        };
+        *self.q8_ready.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+    }
+
+    /// The q8_1 blocks of `x` if the last launch wrote them and nothing ran since.
+    pub(super) fn q8_of(&self, x: &CudaAct) -> Option<u64> {
+        let r = self
+            .q8_ready
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()?;
+        let now = self.epoch.load(Ordering::Relaxed);
+        (r.act == x.buf.ptr && r.values == x.rows * x.cols && r.epoch == now).then_some(r.q8)
+    }
+
+    /// q8_1 scratch for `values` activations (a multiple of 32), or None if they cannot be.
+    pub(super) fn q8_scratch(&self, values: usize, cols: usize) -> Result<Option<u64>> {
+        if !cols.is_multiple_of(32) {
+            return Ok(None);
+        }
+        Ok(Some(self.scratch(Q8, values / 32 * ops::Q8_1_BYTES)?))
+    }
+
+    pub(super) fn try_matmul_many(
+        &self,
+        x: &CudaAct,
+        jobs: &mut [MatmulJob<'_, Self>],
+    ) -> Result<()> {
+        let n = x.rows;
+        let need_q8 = jobs
+            .iter()
+            .any(|(w, _, _)| ops::gemv_kernel(w.ty).is_some_and(|(_, q)| q));
+        let ready = self.q8_of(x);
+        let l = self.l();
+        let q8 = if let Some(q8) = ready.filter(|_| need_q8) {
+            q8 // a fused norm or GLU just wrote them
+        } else if need_q8 {
+            if !x.cols.is_multiple_of(32) {
+                bail!("matmul input width {} is not a multiple of 32", x.cols);
+            }
+            let q8 = self.scratch(Q8, n * x.cols / 32 * ops::Q8_1_BYTES)?;
+            ops::quantize_q8_1(l, x.buf.ptr, q8, n * x.cols)?;
+            q8
+        } else {
+            0
+        };
+        for (w, _, out) in jobs.iter() {
+            if w.cols != x.cols || out.cols != w.rows || out.rows != n {
+                bail!(
+                    "matmul shapes: weight {}x{}, input {}x{}, output {}x{}",
+                    w.rows,
+                    w.cols,
+                    n,
+                    x.cols,
+                    out.rows,
+                    out.cols
+                );
+            }
+        }
+        // Prefill: tensor-core tiles read the weights n/64 times instead of n/8.
+        let tiled = |w: &CudaWeight| n > ops::GEMV_TOKENS && ops::gemm_kernel(w.ty).is_some();
+        let mut done = vec![false; jobs.len()];
+        for i in 0..jobs.len() {
+            if done[i] {
+                continue;
+            }
+            let (w, bias, out) = &jobs[i];
+            let shape = (w.rows, w.cols, n);
+            if tiled(w) {
+                ops::gemm(l, w.ty, w.buf.ptr, q8, out.buf.ptr, shape)?;
+                if let Some(b) = bias {
+                    ops::add_bias(l, out.buf.ptr, b.buf.ptr, n, w.rows)?;
+                }
+                continue;
+            }
+            // GEMVs add the bias as they store (one launch fewer per biased matmul), and up to
+            // three of one type (Q, K and V; gate and up) go in one launch.
+            let group: Vec<usize> = (i..jobs.len())
+                .filter(|&j| !done[j] && jobs[j].0.ty == w.ty && !tiled(jobs[j].0))
+                .take(ops::GEMV_MULTI)
+                .collect();
+            if group.len() > 1 && ops::gemv_multi_kernel(w.ty).is_some() {
+                let parts: Vec<ops::GemvPart> = group
+                    .iter()
+                    .map(|&j| {
+                        let (w, b, o) = &jobs[j];
+                        (w.buf.ptr, o.buf.ptr, b.map(|b| b.buf.ptr), w.rows)
+                    })
+                    .collect();
+                ops::gemv_multi(l, w.ty, q8, &parts, (x.cols, n))?;
+                group.iter().for_each(|&j| done[j] = true);
+                continue;
+            }
+            let quantized = ops::gemv_kernel(w.ty).is_some_and(|(_, q)| q);
+            let input = if quantized { q8 } else { x.buf.ptr };
+            let b = bias.map(|b| b.buf.ptr);
+            ops::gemv(l, w.ty, w.buf.ptr, input, out.buf.ptr, b, shape)?;
+        }
+        Ok(())
+    }
+
+    /// `add_rms_norm_q8` over whole rows: with `y`, x += y (normed by its weights first when
+    /// given; x is written only then); out = rms_norm(x) * w, and its q8_1 blocks on record for
+    /// the next matmul.
+    pub(super) fn try_norm(
+        &self,
+        x: &CudaAct,
+        y: Option<(&CudaAct, Option<&CudaVec>)>,
+        w: &CudaVec,
+        eps: f32,
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        let q8 = self.q8_scratch(x.rows * x.cols, x.cols)?;
+        let y = y.map(|(y, yn)| (y.buf.ptr, yn.map(|v| v.buf.ptr)));
+        let (x_ptr, shape) = (x.buf.ptr, (x.rows, x.cols));
+        ops::add_rms_norm_q8(self.l(), x_ptr, y, w.buf.ptr, out.buf.ptr, q8, shape, eps)?;
+        if let Some(q8) = q8 {
+            self.set_q8(out, q8);
+        }
+        Ok(())
+    }
+
+    /// [`Backend::attention_block`] in four steps: the Q/K/V products (one quantize of h, if
+    /// the norm before did not leave it quantized already), `rope_kv` (q/k norms, RoPE, q's
+    /// scale and the KV write in one kernel), attention, and the output product.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn try_attention_block(
+        &self,
+        h: &CudaAct,
+        blk: &AttnBlock<'_, Self>,
+        kv: &mut CudaKv,
+        layer: usize,
+        batch: &AttnBatch<'_, '_>,
+        s: AttnScratch<'_, Self>,
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        self.try_matmul_many(
+            h,
+            &mut [
+                (blk.wq, blk.bq, &mut *s.q),
+                (blk.wk, blk.bk, &mut *s.k),
+                (blk.wv, blk.bv, &mut *s.v),
+            ],
+        )?;
+        let sh = batch.shape;
+        let r = RopeKv {
+            n_head: sh.n_head,
+            n_head_kv: sh.n_head_kv,
+            head_dim: sh.head_dim,
+            base: blk.rope.base,
+            style: blk.rope.style,
+            ff: blk.rope_freqs.map(|f| f.buf.ptr),
+            q_norm: blk.q_norm.map(|v| v.buf.ptr),
+            k_norm: blk.k_norm.map(|v| v.buf.ptr),
+            eps: blk.norm_eps,
+            q_scale: blk.q_scale.unwrap_or(1.0),
+        };
+        let slots = self.ints(&i32s(batch.slots.iter().copied()))?;
+        let pos = self.ints(&i32s(batch.positions.iter().map(|&p| p as usize)))?;
+        ops::rope_kv(
+            self.l(),
+            (s.q.buf.ptr, s.k.buf.ptr, s.v.buf.ptr),
+            (kv.k[layer].ptr, kv.v[layer].ptr),
+            (slots, pos),
+            s.q.rows,
+            &r,
+        )?;
+        self.try_attention(s.q, kv, layer, batch.queries, sh, s.attn)?;
+        self.try_matmul_many(s.attn, &mut [(blk.wo, None, out)])
+    }
+
+    pub(super) fn try_attention(
+        &self,
+        q: &CudaAct,
+        kv: &CudaKv,
+        layer: usize,
+        queries: &[AttnQuery<'_>],
+        shape: AttnShape,
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        let mut tables = Vec::new();
+        let mut meta = Vec::with_capacity(queries.len() * 3);
+        let mut longest = 1;
+        for qr in queries {
+            meta.extend([tables.len() as i32, qr.pos as i32, qr.lo as i32]);
+            tables.extend(qr.block_table.iter().map(|&b| b as i32));
+            longest = longest.max((qr.pos + 1).saturating_sub(qr.lo) as usize);
+        }
+        let (tables, meta) = (self.ints(&tables)?, self.ints(&meta)?);
+        // Rows of one sequence (a prefill chunk, a speculative verify) share K/V loads in the
+        // tiled kernel; lone rows (decode, batched decode) use split-KV flash decoding.
+        let tiles = ops::prefill_tiles(queries.len(), |i, j| queries[i].seq == queries[j].seq);
+        let tiled = tiles.len() / 2 < queries.len();
+        let n_split = longest.div_ceil(ops::ATTN_SPLIT);
+        let part_bytes = ops::attn_part_bytes(queries.len(), shape.n_head, shape.head_dim, n_split);
+        let a = AttnArgs {
+            q: q.buf.ptr,
+            k_cache: kv.k[layer].ptr,
+            v_cache: kv.v[layer].ptr,
+            tables,
+            meta,
+            part: if tiled {
+                0
+            } else {
+                self.scratch(PART, part_bytes)?
+            },
+            out: out.buf.ptr,
+            q8: 0,
+            n_q: queries.len(),
+            n_head: shape.n_head,
+            n_head_kv: shape.n_head_kv,
+            head_dim: shape.head_dim,
+            block_size: kv.block_size,
+            kv_dim: kv.kv_dim,
+            scale: shape.scale,
+            n_split,
+        };
+        if tiled {
+            let tiles_d = self.ints(&tiles)?;
+            return ops::attention_prefill(self.l(), &a, tiles_d, tiles.len() / 2);
+        }
+        // Decode: the kernel writing the output also quantizes it for the output product.
+        let q8 = match shape.head_dim.is_multiple_of(32) {
+            true => self.q8_scratch(out.rows * out.cols, out.cols)?,
+            false => None,
+        };
+        let a = AttnArgs {
+            q8: q8.unwrap_or(0),
+            ..a
+        };
+        ops::attention(self.l(), &a)?;
+        if let Some(q8) = q8 {
+            self.set_q8(out, q8);
+        }
+        Ok(())
+    }
+}
