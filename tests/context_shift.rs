@@ -141,6 +141,25 @@ fn generation_goes_on_past_the_context() {
         let args = [&base[..], &shift, &["-n", "20000"], &sampling].concat();
         assert_eq!(generate(&args), (20_000, "length".to_string()));
     }
+    // With a prompt cache: a shift that drops part of the prompt leaves no file behind (its K/V
+    // moved); one that drops only generated tokens keeps a file a later run loads.
+    let cache = dir.join("prompt.cache");
+    let long = "a b c d e f g h i j k l m n o p q r s t u v w x y z ".repeat(2);
+    let c = cache.to_str().unwrap();
+    let args = [
+        &base[..4],
+        &[long.as_str(), "--ctx", "96", "-n", "300", "--ignore-eos"],
+    ]
+    .concat();
+    let o = infer(&[&args[..], &shift, &["--prompt-cache", c]].concat(), None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("not written"), "{}", stderr(&o));
+    assert!(!cache.exists());
+    let args = [&base[..4], &["a b", "--ctx", "96", "-n", "300", "--json"]].concat();
+    let o = infer(&[&args[..], &shift, &["--prompt-cache", c]].concat(), None);
+    assert!(o.status.success() && cache.exists(), "{}", stderr(&o));
+    let (n, _) = generate(&[&args[..], &shift, &["--prompt-cache", c]].concat());
+    assert!(n > 0);
     // A context too small for the kept block and two more is refused.
     let o = infer(
         &[&base[..3], &["-p", "hi", "--ctx", "64", "--context-shift"]].concat(),

@@ -456,6 +456,14 @@ impl PromptCacheRun {
         if self.current || logits.is_empty() || self.seq.n_cached < prompt.len() {
             return Ok(());
         }
+        if !self.seq.tokens.starts_with(prompt) {
+            // A context shift dropped part of the prompt: its K/V moved.
+            note!(
+                "infer: prompt cache {} not written: the context shifted into the prompt",
+                self.path.display()
+            );
+            return Ok(());
+        }
         let saved = Saved {
             tokens: prompt.to_vec(),
             logits,

@@ -98,10 +98,20 @@ async fn gate(State(state): St, req: Request, next: Next) -> Response {
                         same_key(k.trim().as_bytes(), key.as_bytes()) | ok
                     })
                 });
-        if authorized {
-            next.run(req).await
-        } else {
+        // A body declared larger than the limit is refused before any of it is read, so a
+        // client that waits for the answer (`Expect: 100-continue`, or one reading while it
+        // sends) gets the 413 instead of a connection closed under a half-sent body.
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if !authorized {
             ApiError::unauthorized().into_response()
+        } else if declared.is_some_and(|n| n > state.cfg.body_limit as u64) {
+            ApiError::too_large(state.cfg.body_limit).into_response()
+        } else {
+            next.run(req).await
         }
     };
     state.metrics.request(label, resp.status().as_u16());
