@@ -9,35 +9,17 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{infer, load_runner, model, root, stderr, stdout, GEMMA};
+use common::{infer, load_runner, model, stderr, stdout, GEMMA};
 use infer::engine::runner::{Runner, Sequence};
 use infer::kernels::cpu::backend::CpuBackend;
 
 fn scratch(test: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("context-shift-{test}"));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch(&format!("context-shift-{test}"))
 }
 
 /// A tiny fixture checkpoint converted to `ty` in `dir`.
 fn tiny(dir: &Path, name: &str, ty: &str) -> PathBuf {
-    let out = dir.join(format!("{name}.{ty}.gguf"));
-    let src = root().join("tests/fixtures/convert/hf-tiny").join(name);
-    let o = infer(
-        &[
-            "quantize",
-            "--from-hf",
-            src.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--type",
-            ty,
-        ],
-        None,
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    out
+    common::convert_tiny(dir, name, ty)
 }
 
 /// Layer 0's keys of the first `n` positions of `seq`, as f32 (from the cache's export layout:

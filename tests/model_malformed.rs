@@ -8,35 +8,19 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{infer, root, stderr};
+use common::{infer, stderr};
 use infer::format::{Gguf, GgufWriter, Value};
 
-/// A fresh, empty directory for one test.
 fn scratch(test: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("malformed-{test}"));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch(&format!("malformed-{test}"))
 }
 
 /// The tiny Qwen2 checkpoint as a valid f32 GGUF model in `dir`.
 fn valid(dir: &Path) -> PathBuf {
-    let out = dir.join("valid.gguf");
-    let src = root().join("tests/fixtures/convert/hf-tiny/qwen2");
-    let o = infer(
-        &[
-            "quantize",
-            "--from-hf",
-            src.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--type",
-            "f32",
-        ],
-        None,
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    out
+    let out = common::convert_tiny(dir, "qwen2", "f32");
+    let valid = dir.join("valid.gguf");
+    std::fs::rename(out, &valid).unwrap();
+    valid
 }
 
 /// `src` rewritten to `name` with its metadata and tensors passed through `edit`.

@@ -7,15 +7,11 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{infer, model, root, stderr, stdout, GEMMA};
+use common::{infer, model, stderr, stdout, GEMMA};
 use serde_json::Value;
 
-/// A fresh, empty directory for one test.
 fn scratch(test: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("prompt-cache-{test}"));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch(&format!("prompt-cache-{test}"))
 }
 
 /// A long public-domain-licensed text (the GPL's own words), `chars` characters of it.
@@ -82,22 +78,7 @@ fn reused_prompts_print_what_uncached_runs_print() {
 
 /// The tiny Qwen2 checkpoint as a GGUF file in `dir`.
 fn tiny(dir: &Path) -> PathBuf {
-    let out = dir.join("tiny.gguf");
-    let src = root().join("tests/fixtures/convert/hf-tiny/qwen2");
-    let o = infer(
-        &[
-            "quantize",
-            "--from-hf",
-            src.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--type",
-            "q8_0",
-        ],
-        None,
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    out
+    common::convert_tiny(dir, "qwen2", "q8_0")
 }
 
 #[test]

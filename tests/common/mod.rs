@@ -47,6 +47,32 @@ pub fn f32s(hex: &str) -> Vec<f32> {
         .collect()
 }
 
+/// A fresh, empty directory `name` under the tests' temporary folder.
+pub fn scratch(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The tiny Hugging Face fixture `name` (tests/fixtures/convert/hf-tiny) converted to `ty` by
+/// `infer quantize`, written in `dir`.
+pub fn convert_tiny(dir: &std::path::Path, name: &str, ty: &str) -> PathBuf {
+    let out = dir.join(format!("{name}.{ty}.gguf"));
+    let src = root().join("tests/fixtures/convert/hf-tiny").join(name);
+    let (src_s, out_s) = (src.to_str().unwrap(), out.to_str().unwrap());
+    let o = infer(
+        &["quantize", "--from-hf", src_s, "--out", out_s, "--type", ty],
+        None,
+    );
+    assert!(
+        o.status.success(),
+        "converting {name} to {ty}: {}",
+        stderr(&o)
+    );
+    out
+}
+
 /// Runs the real binary with the given args and stdin.
 pub fn infer(args: &[&str], stdin: Option<&str>) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_infer"));
