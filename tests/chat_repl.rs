@@ -499,3 +499,37 @@ fn template_file_that_prints_bos_gets_no_second_bos() {
     assert_eq!(lines.len(), 1, "{out}");
     assert_eq!(lines[0].computed, with_rule.len(), "{out}");
 }
+
+/// `--context-shift`: an answer longer than the context goes on (the oldest block after the kept
+/// start is dropped, keys re-rotated) instead of being cut when the context is full.
+#[test]
+fn context_shift_lets_an_answer_outgrow_the_context() {
+    let _guard = MODEL.lock().unwrap_or_else(|e| e.into_inner());
+    let stdin = "Write a very long story about a dragon who loves to count numbers.\n/stats\n";
+    let args = [
+        "chat",
+        "-m",
+        &gemma(),
+        "--ctx",
+        "128",
+        "-n",
+        "400",
+        "--temp",
+        "0",
+    ];
+    let o = common::infer(
+        &[&args[..], &["--no-history", "--context-shift"]].concat(),
+        Some(stdin),
+    );
+    let (out, err) = (common::stdout(&o), common::stderr(&o));
+    assert!(o.status.success(), "{err}");
+    assert!(out.contains("generated 400 "), "{out}");
+    assert!(!err.contains("the context is full"), "{err}");
+    // Without the flag the same answer stops at the context.
+    let o = common::infer(&[&args[..], &["--no-history"]].concat(), Some(stdin));
+    let out = common::stdout(&o);
+    assert!(
+        o.status.success() && !out.contains("generated 400 "),
+        "{out}"
+    );
+}

@@ -346,6 +346,19 @@ pub struct ChatArgs {
     /// Do not read or write the input history file
     #[arg(long)]
     pub no_history: bool,
+    /// When an answer fills the context, keep the first --keep tokens (attention sinks), drop the
+    /// oldest 32-token block after them and go on (StreamingLLM) instead of cutting the answer
+    #[arg(long)]
+    pub context_shift: bool,
+    /// With --context-shift: tokens kept at the start (after BOS), rounded up to whole 32-token
+    /// blocks
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 4,
+        requires = "context_shift"
+    )]
+    pub keep: usize,
 }
 
 #[derive(Args, Debug)]

@@ -32,9 +32,9 @@ use crate::cli::load::load;
 use crate::cli::{note, progress};
 use infer::chat::input::{self, Command, Setting, HELP};
 use infer::chat::{Conversation, PromptFormat};
-use infer::engine::generate::{GenParams, StopReason};
+use infer::engine::generate::{generate_with, GenHooks, GenParams, StopReason};
 use infer::engine::request::{Event, RequestSpec};
-use infer::engine::runner::{Runner, Sequence};
+use infer::engine::runner::{Runner, Sequence, BLOCK_SIZE};
 use infer::engine::scheduler::run_one;
 use infer::format::Gguf;
 use infer::kernels::device::DeviceBackend;
@@ -89,6 +89,8 @@ struct Session {
     params: GenParams,
     turns: Vec<TurnStats>,
     cancel: Arc<AtomicBool>,
+    /// `--context-shift`: positions kept at the start when an answer fills the context.
+    context_shift: Option<usize>,
 }
 
 fn rate(n: usize, secs: f64) -> f64 {
@@ -165,28 +167,51 @@ impl Session {
         let mut answer = String::new();
         let stdout = std::io::stdout();
         let mut out = stdout.lock();
-        let request = RequestSpec {
-            prompt: tokens,
-            params: self.params.clone(),
-            logprobs: None,
-            lookup: None,
+        let mut show = |piece: &str| -> Result<()> {
+            answer.push_str(piece);
+            out.write_all(piece.as_bytes())?;
+            out.flush()?;
+            Ok(())
         };
-        let result = run_one(
-            &mut self.runner,
-            &self.tok,
-            &mut self.seq,
-            request,
-            &self.cancel,
-            &mut |_, _| {},
-            |e| {
-                if let Event::Token { text: piece, .. } | Event::Tail(piece) = e {
-                    answer.push_str(piece);
-                    out.write_all(piece.as_bytes())?;
-                    out.flush()?;
-                }
-                Ok(())
-            },
-        );
+        let result = match self.context_shift {
+            // The single-sequence loop shifts the context when an answer fills it.
+            Some(keep) => {
+                let hooks = GenHooks {
+                    context_shift: Some(keep),
+                    ..GenHooks::default()
+                };
+                generate_with(
+                    &mut self.runner,
+                    &mut self.seq,
+                    &self.tok,
+                    &tokens,
+                    &self.params,
+                    &self.cancel,
+                    hooks,
+                    |e| show(e.text),
+                )
+            }
+            None => {
+                let request = RequestSpec {
+                    prompt: tokens.clone(),
+                    params: self.params.clone(),
+                    logprobs: None,
+                    lookup: None,
+                };
+                run_one(
+                    &mut self.runner,
+                    &self.tok,
+                    &mut self.seq,
+                    request,
+                    &self.cancel,
+                    &mut |_, _| {},
+                    |e| match e {
+                        Event::Token { text: piece, .. } | Event::Tail(piece) => show(piece),
+                        _ => Ok(()),
+                    },
+                )
+            }
+        };
         writeln!(out)?;
         out.flush()?;
         let stats = match result {
@@ -214,8 +239,9 @@ impl Session {
             self.seq_text.clear();
         } else {
             self.conv.push("assistant", &answer);
-            // A stop string is withheld from the text but not from the tokens.
-            if stats.stop == StopReason::StopString {
+            // A stop string is withheld from the text but not from the tokens; a context shift
+            // dropped part of what the text spells.
+            if stats.stop == StopReason::StopString || !self.seq.tokens.starts_with(&tokens) {
                 self.seq_text.clear();
             } else {
                 self.seq_text = text + &answer;
@@ -414,7 +440,20 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         params,
         turns: Vec::new(),
         cancel,
+        context_shift: None,
     };
+    if a.context_shift {
+        let keep = a.keep + usize::from(s.tok.add_bos_default());
+        let need = (keep.div_ceil(BLOCK_SIZE) + 2) * BLOCK_SIZE;
+        if s.runner.n_ctx() < need {
+            return Err(crate::cli::UsageError(format!(
+                "--context-shift with --keep {} needs a context of at least {need} (raise --ctx)",
+                a.keep
+            ))
+            .into());
+        }
+        s.context_shift = Some(keep);
+    }
 
     let config = rustyline::Config::builder().auto_add_history(false).build();
     let mut rl: Editor<InputHelper, DefaultHistory> = Editor::with_config(config)?;
