@@ -34,6 +34,7 @@ fn greedy(max_tokens: usize) -> GenParams {
         },
         stop: Vec::new(),
         ignore_eos: false,
+        constraint: None,
     }
 }
 

@@ -82,6 +82,7 @@ fn check(file: &str, max_tokens: usize, stop: &[&str], drafter: Drafter<'_>) {
         },
         stop: stop.iter().map(|s| s.to_string()).collect(),
         ignore_eos: false,
+        constraint: None,
     };
     let plain = run(&mut runner, &tok, &prompt, &params, None);
     let method = match drafter {

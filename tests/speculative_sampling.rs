@@ -307,6 +307,7 @@ fn generate_with_config(
         sampler,
         stop: Vec::new(),
         ignore_eos: false,
+        constraint: None,
     };
     let hooks = GenHooks {
         spec,

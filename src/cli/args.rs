@@ -271,6 +271,8 @@ pub struct RunArgs {
     pub sampling: SamplingArgs,
     #[command(flatten)]
     pub spec: SpecArgs,
+    #[command(flatten)]
+    pub constraint: ConstraintArgs,
     /// Context size in tokens (default: 4096, at most the model's training context)
     #[arg(short, long)]
     pub ctx: Option<usize>,
@@ -338,6 +340,8 @@ pub struct ChatArgs {
     /// Maximum tokens per answer
     #[arg(short = 'n', long = "max-tokens", default_value_t = 512)]
     pub max_tokens: usize,
+    #[command(flatten)]
+    pub constraint: ConstraintArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
     /// Context size in tokens (default: 4096, at most the model's training context)
@@ -449,4 +453,20 @@ pub struct SpecArgs {
     /// Adapt the draft length to acceptance only, not to the measured cost of verify forwards
     #[arg(long)]
     pub no_cost_k: bool,
+}
+
+/// Structured output flags of `run` and `chat`: at most one constraint.
+#[derive(Args, Debug, Clone, Default)]
+pub struct ConstraintArgs {
+    /// Constrain the output to JSON valid under this schema: a file, or the schema itself
+    /// (text starting with `{`)
+    #[arg(long, value_name = "FILE|JSON", conflicts_with_all = ["grammar", "regex"])]
+    pub json_schema: Option<String>,
+    /// Constrain the output to a grammar: GBNF (llama.cpp's dialect) or, for a `.lark` file,
+    /// llguidance's Lark dialect
+    #[arg(long, value_name = "FILE", conflicts_with = "regex")]
+    pub grammar: Option<PathBuf>,
+    /// Constrain the output to match a regular expression (Rust `regex` syntax) as a whole
+    #[arg(long, value_name = "REGEX")]
+    pub regex: Option<String>,
 }

@@ -109,6 +109,7 @@ fn params_for(
         sampler,
         stop: [stop, chat_stops].concat(),
         ignore_eos: false,
+        constraint: None,
     })
 }
 

@@ -93,6 +93,7 @@ fn run_requests(
         },
         stop: Vec::new(),
         ignore_eos: true,
+        constraint: None,
     };
     let spec = |p: &Vec<u32>| RequestSpec {
         prompt: p.clone(),

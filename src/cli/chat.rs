@@ -28,6 +28,7 @@ use rustyline::validate::{ValidationContext, ValidationResult, Validator};
 use rustyline::{Completer, Editor, Helper, Highlighter, Hinter};
 
 use crate::cli::args::ChatArgs;
+use crate::cli::constraint;
 use crate::cli::load::load;
 use crate::cli::{note, progress};
 use infer::chat::input::{self, Command, Setting, HELP};
@@ -410,6 +411,7 @@ fn history_path() -> Option<PathBuf> {
 
 pub fn chat(a: ChatArgs) -> Result<()> {
     let sampler = a.sampling.config()?;
+    let constraint = constraint::spec(&a.constraint)?;
     let loaded = progress::with_spinner(format!("loading {}", a.model.model.display()), || {
         load(&a.model, a.ctx)
     })?;
@@ -420,6 +422,12 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         sampler,
         stop,
         ignore_eos: false,
+        // Every answer starts the constraint afresh.
+        constraint: constraint::compile(
+            constraint,
+            &loaded.tokenizer,
+            loaded.runner.vocab_size(),
+        )?,
     };
     note!(
         "infer: loaded {} in {:.2} s ({} threads, context {}). /help lists commands; Ctrl-D leaves.",

@@ -6,6 +6,7 @@ mod batch;
 mod bench;
 mod bench_concurrency;
 mod chat;
+mod constraint;
 mod imatrix;
 mod load;
 mod models;

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use anyhow::Result;
 use serde_json::{json, Value};
 
+use crate::cli::constraint;
 use crate::cli::args::RunArgs;
 use crate::cli::load::{load_cpu, load_for, Loaded};
 use crate::cli::tokenize::read_stdin_text;
@@ -124,6 +125,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         (Some(p), None) if p != "-" => Some(p.clone()),
         _ => Some(read_stdin_text("prompt")?),
     };
+    let constraint = constraint::spec(&a.constraint)?;
     let loaded = load_model(&a)?;
     let (prompt, chat_stops) = match (&a.prompt_ids, &prompt_text) {
         (Some(ids), _) => {
@@ -146,6 +148,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         sampler,
         stop: [a.stop.clone(), chat_stops].concat(),
         ignore_eos: a.ignore_eos,
+        constraint: constraint::compile(constraint, &tok, runner.vocab_size())?,
     };
     let tty = std::io::stdout().is_terminal();
     let cancel = cancel_flag();

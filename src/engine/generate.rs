@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 
+use crate::engine::constraint::Constraint;
 use crate::engine::runner::{Runner, Sequence};
 use crate::engine::sampler::{log_softmax_top, Sampler, SamplerConfig};
 use crate::engine::speculative::Speculator;
@@ -23,6 +24,9 @@ pub struct GenParams {
     pub stop: Vec<String>,
     /// Keep generating past end-of-generation tokens (benchmarks that want `max_tokens` each).
     pub ignore_eos: bool,
+    /// Structured output: the tokens the constraint allows are the only ones sampled, and the
+    /// end of generation comes where the structure is complete (each run clones it fresh).
+    pub constraint: Option<Box<Constraint>>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -190,6 +194,7 @@ pub fn generate_with<B: Backend>(
     let prompt_secs = t0.elapsed().as_secs_f64();
 
     let mut sampler = Sampler::new(params.sampler.clone());
+    let mut constraint = params.constraint.clone();
     let mut stops = StopMatcher::new(params.stop.clone());
     let mut utf8 = StreamDecoder::new();
     let t1 = Instant::now();
@@ -213,10 +218,18 @@ pub fn generate_with<B: Backend>(
             Some((d, _)) => *d,
             None => match decided.take() {
                 Some(d) => d,
-                None => sampler.sample(&logits, &seq.tokens[..emitted_base + generated - shifted]),
+                None => {
+                    if let Some(c) = &mut constraint {
+                        c.apply(&mut logits)?;
+                    }
+                    sampler.sample(&logits, &seq.tokens[..emitted_base + generated - shifted])
+                }
             },
         };
-        if tok.is_eog(id) && !params.ignore_eos {
+        if let Some(c) = &mut constraint {
+            c.commit(id)?;
+        }
+        if tok.is_eog(id) && (!params.ignore_eos || constraint.is_some()) {
             break StopReason::Eos;
         }
         let logprobs = hooks.logprobs.map(|n| {
@@ -237,6 +250,10 @@ pub fn generate_with<B: Backend>(
         if hit {
             break StopReason::StopString;
         }
+        if constraint.as_deref().is_some_and(Constraint::is_finished) {
+            // The structure is complete and nothing may follow: end as the model would.
+            break StopReason::Eos;
+        }
         if generated >= params.max_tokens {
             break StopReason::Length;
         }
@@ -250,7 +267,7 @@ pub fn generate_with<B: Backend>(
             (Some((_, after)), _) => after,
             (None, Some(s)) => {
                 let room = params.max_tokens - generated;
-                let step = s.step(runner, seq, room, &mut sampler)?;
+                let step = s.step(runner, seq, room, &mut sampler, constraint.as_deref_mut())?;
                 verified = step.accepted;
                 decided = step.rejected_with;
                 step.logits

@@ -6,6 +6,7 @@
 //! batching, `generate` is the single-sequence loop, `speculative` drafts and verifies several
 //! tokens per step.
 
+pub mod constraint;
 pub mod generate;
 pub mod kv_blocks;
 pub mod load;

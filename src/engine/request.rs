@@ -7,6 +7,7 @@
 
 use std::time::Instant;
 
+use crate::engine::constraint::Constraint;
 use crate::engine::generate::{GenParams, GenStats, StopReason, TokenLogprobs};
 use crate::engine::sampler::{log_softmax_top, Sampler};
 use crate::engine::speculative::{next_draft_len, PromptLookup};
@@ -93,11 +94,14 @@ pub struct Request {
     arrived: Instant,
     first_token: Option<Instant>,
     pub lookup: Option<Lookup>,
+    /// Structured output (taken from the spec's parameters): masks every step's logits.
+    pub constraint: Option<Box<Constraint>>,
 }
 
 impl Request {
-    pub fn new(id: RequestId, spec: RequestSpec) -> Request {
+    pub fn new(id: RequestId, mut spec: RequestSpec) -> Request {
         Request {
+            constraint: spec.params.constraint.take(),
             id,
             sampler: Sampler::new(spec.params.sampler.clone()),
             stops: StopMatcher::new(spec.params.stop.clone()),
@@ -137,9 +141,28 @@ impl Request {
             self.finish(StopReason::Length, out);
             return (None, false);
         }
+        let masked;
+        let logits = match &mut self.constraint {
+            Some(c) => {
+                let mut l = logits.to_vec();
+                if let Err(e) = c.apply(&mut l) {
+                    out.push(Event::Error(format!("{e:#}")));
+                    return (None, false);
+                }
+                masked = l;
+                &masked[..]
+            }
+            None => logits,
+        };
         let id = self.sampler.sample(logits, history);
         self.first_token.get_or_insert_with(Instant::now);
-        if tok.is_eog(id) && !self.spec.params.ignore_eos {
+        if let Some(c) = &mut self.constraint {
+            if let Err(e) = c.commit(id) {
+                out.push(Event::Error(format!("{e:#}")));
+                return (None, false);
+            }
+        }
+        if tok.is_eog(id) && (!self.spec.params.ignore_eos || self.constraint.is_some()) {
             self.finish(StopReason::Eos, out);
             return (None, false);
         }
@@ -153,6 +176,9 @@ impl Request {
         out.push(Event::Token { id, text, logprobs });
         let reason = if hit {
             StopReason::StopString
+        } else if self.constraint.as_deref().is_some_and(Constraint::is_finished) {
+            // The structure is complete and nothing may follow: end as the model would.
+            StopReason::Eos
         } else if self.generated >= self.spec.params.max_tokens {
             StopReason::Length
         } else if !room {

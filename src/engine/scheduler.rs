@@ -399,6 +399,10 @@ impl Scheduler {
                 Some(l) => l.draft(&s.seq.tokens, room),
                 None => Vec::new(),
             };
+            if let Some(c) = &mut s.req.constraint {
+                // Only drafts the constraint accepts are worth verifying.
+                d.truncate(c.accepted_prefix(&d));
+            }
             let held = s.seq.blocks.len().max(base.div_ceil(BLOCK_SIZE));
             let extra = (base + d.len()).div_ceil(BLOCK_SIZE).saturating_sub(held);
             if extra > spare {
@@ -416,12 +420,35 @@ impl Scheduler {
             .map(|(s, d)| s.seq.tokens.len() - d.len() - 1)
             .collect();
         let logits = {
-            let mut seqs: Vec<&mut Sequence> = rows.iter_mut().map(|s| &mut s.seq).collect();
+            let mut seqs = Vec::with_capacity(rows.len());
+            let mut constraints = Vec::new();
+            for s in rows.iter_mut() {
+                seqs.push(&mut s.seq);
+                constraints.extend(s.req.constraint.as_deref_mut());
+            }
             self.stats.decode_rows += seqs
                 .iter()
                 .map(|s| s.tokens.len() - s.n_cached)
                 .sum::<usize>() as u64;
-            runner.step(&mut seqs, &from, true, self.cfg.reuse == Reuse::Most)?
+            let reuse = self.cfg.reuse == Reuse::Most;
+            if constraints.is_empty() {
+                runner.step(&mut seqs, &from, true, reuse)?
+            } else {
+                // Each constrained sequence's next mask is computed while the forward runs;
+                // a failure shows again (as the request's error) when the mask is applied.
+                std::thread::scope(|scope| {
+                    let masks = scope.spawn(move || {
+                        for c in constraints {
+                            let _ = c.prepare();
+                        }
+                    });
+                    let logits = runner.step(&mut seqs, &from, true, reuse);
+                    if let Err(panic) = masks.join() {
+                        std::panic::resume_unwind(panic);
+                    }
+                    logits
+                })?
+            }
         };
         let mut done = Vec::new();
         for ((s, rows), d) in rows.iter_mut().zip(logits).zip(drafts) {

@@ -21,6 +21,7 @@ use std::time::Instant;
 use anyhow::Result;
 
 use crate::engine::runner::{Runner, Sequence};
+use crate::engine::constraint::Constraint;
 use crate::engine::sampler::Sampler;
 use crate::model::Backend;
 use cost::CostModel;
@@ -162,6 +163,7 @@ impl Speculator {
         seq: &mut Sequence,
         room: usize,
         sampler: &mut Sampler,
+        mut constraint: Option<&mut Constraint>,
     ) -> Result<Step> {
         let max = self
             .next_k()
@@ -183,6 +185,15 @@ impl Speculator {
                 Method::SelfDraft { layers } => self_draft(runner, seq, *layers, max, ds)?,
             }
         };
+        let mut draft = draft;
+        if let Some(c) = constraint.as_deref_mut() {
+            // Only drafts the constraint accepts are worth verifying.
+            let keep = c.accepted_prefix(&draft.tokens);
+            draft.tokens.truncate(keep);
+            if let Some(q) = &mut draft.q {
+                q.truncate(keep);
+            }
+        }
         let draft_secs = t0.elapsed().as_secs_f64();
         self.stats.draft_secs += draft_secs;
         self.cost
@@ -231,6 +242,10 @@ impl Speculator {
             .record_forward(rows.len(), t.elapsed().as_secs_f64());
         // The chosen token's row and one per draft (earlier uncached tokens, if any, go first).
         let mut rows = rows.split_off(rows.len() - (n + 1));
+        if let Some(c) = constraint {
+            // Each row is verified against the distribution the constraint leaves there.
+            c.mask_rows(&draft.tokens, &mut rows)?;
+        }
         let v = verify::verify(
             sampler,
             &seq.tokens,

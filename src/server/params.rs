@@ -211,6 +211,7 @@ impl Sampling {
                 },
                 stop: stop.clone(),
                 ignore_eos: self.ignore_eos.unwrap_or(false),
+                constraint: None,
             })
             .collect();
         let stream = self.stream.unwrap_or(false);

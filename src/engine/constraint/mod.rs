@@ -1,0 +1,336 @@
+//! Structured output: a constraint (JSON schema, GBNF grammar, Lark grammar or regex) that masks
+//! the logits before every sampling step, greedy included, and advances with each accepted token.
+//!
+//! The engine is llguidance (an Earley parser over a derivative-based lexer, with toktrie walking
+//! the vocabulary once per mask), built over infer's own vocabulary (`vocab`). [`Grammars`] is
+//! made once per model (the trie of every token's bytes); [`Grammars::compile`] checks a spec and
+//! gives a [`Constraint`], one per sequence.
+//!
+//! Invariants: a spec that cannot be compiled (unparsable grammar, unsupported schema keyword,
+//! unsatisfiable schema) is an error with its reason, never a silent free-text fallback; after
+//! [`Constraint::apply`] every token outside the constraint has logit `-inf`; the end of
+//! generation (every end-of-generation id of the tokenizer) is allowed only where the structure
+//! is complete, and is the only choice once nothing can follow; a token the constraint refuses
+//! is an error at [`Constraint::commit`], so a bug cannot produce invalid output silently.
+
+pub mod gbnf;
+mod vocab;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Result};
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{SimpleVob, TokEnv};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::Value;
+
+use crate::tokenizer::Tokenizer;
+
+
+
+/// What the output must match.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ConstraintSpec {
+    /// A JSON Schema (draft 4 to 2020-12 keywords that llguidance supports).
+    JsonSchema(Value),
+    /// Any JSON object (OpenAI's `{"type": "json_object"}`).
+    JsonObject,
+    /// A grammar in llama.cpp's GBNF.
+    Gbnf(String),
+    /// A grammar in llguidance's Lark dialect.
+    Lark(String),
+    /// A regular expression the whole output matches (Rust `regex` syntax).
+    Regex(String),
+}
+
+impl ConstraintSpec {
+    /// The llguidance grammar, or why the spec cannot be one.
+    fn grammar(&self) -> Result<TopLevelGrammar, String> {
+        Ok(match self {
+            ConstraintSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(json_options(
+                schema.clone(),
+            )?),
+            ConstraintSpec::JsonObject => {
+                TopLevelGrammar::from_json_schema(json_options(serde_json::json!({"type": "object"}))?)
+            }
+            ConstraintSpec::Gbnf(text) => {
+                TopLevelGrammar::from_lark(gbnf::to_lark(text).map_err(|e| e.to_string())?)
+            }
+            ConstraintSpec::Lark(text) => TopLevelGrammar::from_lark(text.clone()),
+            ConstraintSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
+        })
+    }
+
+    /// What kind of constraint this is, for messages.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ConstraintSpec::JsonSchema(_) => "JSON schema",
+            ConstraintSpec::JsonObject => "JSON object",
+            ConstraintSpec::Gbnf(_) => "grammar",
+            ConstraintSpec::Lark(_) => "Lark grammar",
+            ConstraintSpec::Regex(_) => "regex",
+        }
+    }
+}
+
+/// JSON output is written compactly with one space after `:` and `,`: no free whitespace, so a
+/// small model cannot wander into an endless run of spaces or newlines.
+fn json_options(mut schema: Value) -> Result<Value, String> {
+    match &mut schema {
+        Value::Object(map) => {
+            if map.contains_key("x-guidance") {
+                return Err("the schema may not set 'x-guidance'".into());
+            }
+            map.insert(
+                "x-guidance".into(),
+                serde_json::json!({
+                    "whitespace_flexible": false,
+                    "item_separator": ", ",
+                    "key_separator": ": ",
+                }),
+            );
+        }
+        Value::Bool(_) => {}
+        other => {
+            return Err(format!(
+                "a JSON schema is an object or a boolean, not {}",
+                json_kind(other)
+            ))
+        }
+    }
+    Ok(schema)
+}
+
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// A constraint that cannot be used: the reason, with its position where the spec has one.
+#[derive(Debug, Clone)]
+pub struct ConstraintError(pub String);
+
+impl std::fmt::Display for ConstraintError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConstraintError {}
+
+/// The per-model half of constraints: the vocabulary trie and llguidance's parser factory.
+pub struct Grammars {
+    factory: Arc<ParserFactory>,
+    /// End-of-generation ids, ascending.
+    eog: Arc<[u32]>,
+    n_logits: usize,
+}
+
+impl Grammars {
+    /// Builds the trie of `tok`'s vocabulary, `n_logits` wide (the model's output row).
+    pub fn new(tok: &Tokenizer, n_logits: usize) -> Result<Grammars> {
+        let eog: Arc<[u32]> = tok.eog_ids().into();
+        let eos = tok
+            .eos_id()
+            .or_else(|| eog.first().copied())
+            .ok_or_else(|| anyhow!("the model names no end-of-generation token"))?;
+        let env: TokEnv = Arc::new(vocab::Vocab::new(tok, n_logits, eos));
+        let mut factory = ParserFactory::new_simple(&env)?;
+        factory.quiet();
+        factory.limits_mut().verbose_errors = false;
+        Ok(Grammars {
+            factory: Arc::new(factory),
+            eog,
+            n_logits,
+        })
+    }
+
+    /// Checks `spec` and starts a constraint for one sequence.
+    pub fn compile(&self, spec: &ConstraintSpec) -> Result<Constraint, ConstraintError> {
+        let grammar = spec
+            .grammar()
+            .map_err(|e| ConstraintError(format!("invalid {}: {e}", spec.kind())))?;
+        let parser = self.factory.create_parser(grammar).map_err(|e| {
+            ConstraintError(format!("invalid {}: {}", spec.kind(), clean(&e.to_string())))
+        })?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(ConstraintError(format!(
+                "invalid {}: {}",
+                spec.kind(),
+                clean(&e)
+            )));
+        }
+        Ok(Constraint {
+            matcher,
+            mask: None,
+            eog: self.eog.clone(),
+            trie_eos: self.factory.tok_env().tok_trie().eos_token(),
+            n_logits: self.n_logits,
+            mask_time: Duration::ZERO,
+            masks: 0,
+        })
+    }
+}
+
+/// llguidance's messages, without its internal prefixes.
+fn clean(msg: &str) -> String {
+    msg.trim().trim_start_matches("Error: ").to_string()
+}
+
+/// One sequence's constraint: the parser state after the tokens committed so far. A clone is
+/// independent (its own parser state).
+pub struct Constraint {
+    matcher: Matcher,
+    /// The mask for the next token, computed once per position.
+    mask: Option<SimpleVob>,
+    eog: Arc<[u32]>,
+    trie_eos: u32,
+    n_logits: usize,
+    mask_time: Duration,
+    masks: u64,
+}
+
+impl Clone for Constraint {
+    fn clone(&self) -> Self {
+        Constraint {
+            matcher: self.matcher.deep_clone(),
+            mask: self.mask.clone(),
+            eog: self.eog.clone(),
+            trie_eos: self.trie_eos,
+            n_logits: self.n_logits,
+            mask_time: self.mask_time,
+            masks: self.masks,
+        }
+    }
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint")
+            .field("finished", &self.is_finished())
+            .field("masks", &self.masks)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Constraint {
+    /// Computes the mask for the next position (if not yet computed); callers may run this while
+    /// the forward pass computes the logits it will be applied to.
+    pub fn prepare(&mut self) -> Result<()> {
+        if self.mask.is_none() {
+            let t = Instant::now();
+            let mask = if self.matcher.is_stopped() {
+                let mut m = SimpleVob::alloc(self.n_logits.max(self.trie_eos as usize + 1));
+                m.allow_token(self.trie_eos);
+                m
+            } else {
+                self.matcher
+                    .compute_mask()
+                    .map_err(|e| anyhow!("constraint: {}", clean(&e.to_string())))?
+            };
+            self.mask_time += t.elapsed();
+            self.masks += 1;
+            self.mask = Some(mask);
+        }
+        Ok(())
+    }
+
+    /// Sets every logit the constraint forbids to `-inf`. End of generation is allowed (as every
+    /// end-of-generation id) exactly where the structure may end.
+    pub fn apply(&mut self, logits: &mut [f32]) -> Result<()> {
+        self.prepare()?;
+        let mask = self.mask.as_ref().expect("prepared");
+        let may_end = mask.is_allowed(self.trie_eos);
+        for (id, l) in logits.iter_mut().enumerate() {
+            if id >= mask.len() || !mask.is_allowed(id as u32) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        for &e in self.eog.iter() {
+            if let Some(l) = logits.get_mut(e as usize) {
+                if !may_end {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `id` is allowed at the current position (for checking drafts).
+    pub fn allows(&mut self, id: u32) -> Result<bool> {
+        self.prepare()?;
+        let mask = self.mask.as_ref().expect("prepared");
+        Ok(if self.eog.binary_search(&id).is_ok() {
+            mask.is_allowed(self.trie_eos)
+        } else {
+            (id as usize) < mask.len() && mask.is_allowed(id)
+        })
+    }
+
+    /// Advances past `id`, which must be allowed. An end-of-generation id ends the constraint.
+    pub fn commit(&mut self, id: u32) -> Result<()> {
+        anyhow::ensure!(
+            self.allows(id)?,
+            "constraint: token {id} is not allowed here (a bug: sampling ignored the mask)"
+        );
+        self.mask = None;
+        if self.eog.binary_search(&id).is_ok() {
+            return Ok(());
+        }
+        self.matcher
+            .consume_token(id)
+            .map_err(|e| anyhow!("constraint: {}", clean(&e.to_string())))
+    }
+
+    /// The structure is complete and nothing may follow it: generation should end.
+    pub fn is_finished(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+
+    /// How many of `draft`'s tokens the constraint accepts in order, without advancing.
+    pub fn accepted_prefix(&mut self, draft: &[u32]) -> usize {
+        let body = draft
+            .iter()
+            .position(|t| self.eog.binary_search(t).is_ok())
+            .unwrap_or(draft.len());
+        self.matcher.validate_tokens(&draft[..body]).unwrap_or(0)
+    }
+
+    /// Masks `rows` for verifying `draft` (which must be [`accepted_prefix`](Self::accepted_prefix)
+    /// of itself): row `i` gets the mask after `draft[..i]`. The state is left as it was.
+    pub fn mask_rows(&mut self, draft: &[u32], rows: &mut [Vec<f32>]) -> Result<()> {
+        let mut committed = 0;
+        let mut result = Ok(());
+        for (i, row) in rows.iter_mut().enumerate() {
+            result = self.apply(row);
+            if result.is_err() || i == draft.len() {
+                break;
+            }
+            result = self.commit(draft[i]);
+            if result.is_err() {
+                break;
+            }
+            committed += 1;
+        }
+        if committed > 0 {
+            self.mask = None;
+            self.matcher
+                .rollback(committed)
+                .map_err(|e| anyhow!("constraint: {}", clean(&e.to_string())))?;
+        }
+        result
+    }
+
+    /// Total time spent computing masks, and how many.
+    pub fn mask_stats(&self) -> (Duration, u64) {
+        (self.mask_time, self.masks)
+    }
+}
