@@ -1,8 +1,9 @@
 //! `infer run --batch-file FILE`: many requests against one loaded model, for offline jobs.
 //!
 //! Each non-blank line of FILE (`-` = stdin) is one request, a JSON object
-//! `{"prompt": "..", "max_tokens": N}` with optional `"temperature"`, `"seed"` and `"stop"` (a string
-//! or an array of strings); absent fields take the command line's values (`-n`, `--temp`, `--seed`,
+//! `{"prompt": "..", "max_tokens": N}` with optional `"temperature"`, `"seed"`, `"stop"` (a string
+//! or an array of strings) and one of `"json_schema"` (a schema), `"grammar"` (GBNF text) or
+//! `"regex"` (structured output; a constraint that does not compile is that line's error); absent fields take the command line's values (`-n`, `--temp`, `--seed`,
 //! `--stop`), and the other flags (`--chat`, `--system`, `--top-k`, ...) apply to every request.
 //! Unknown fields are errors, so that a misspelt `max_token` does not silently run 256 tokens.
 //!
@@ -29,7 +30,8 @@ use serde_json::json;
 use crate::cli::args::RunArgs;
 use crate::cli::load::Loaded;
 use crate::cli::run::{cancel_flag, load_model_for, prompt_tokens};
-use crate::cli::{note, progress, UsageError};
+use crate::cli::{constraint, note, progress, UsageError};
+use infer::engine::constraint::{Constraint, ConstraintSpec, Grammars};
 use infer::engine::generate::{GenParams, StopReason};
 use infer::engine::request::{Event, LookupSpec, RequestId, RequestSpec};
 use infer::engine::sampler::SamplerConfig;
@@ -43,6 +45,23 @@ struct Request {
     temperature: Option<f32>,
     seed: Option<u64>,
     stop: Option<Stops>,
+    /// Structured output for this request (overrides the command line's constraint flag).
+    json_schema: Option<serde_json::Value>,
+    /// A GBNF grammar (the text itself).
+    grammar: Option<String>,
+    regex: Option<String>,
+}
+
+impl Request {
+    fn constraint(&self) -> Result<Option<ConstraintSpec>, String> {
+        Ok(match (&self.json_schema, &self.grammar, &self.regex) {
+            (None, None, None) => None,
+            (Some(s), None, None) => Some(ConstraintSpec::JsonSchema(s.clone())),
+            (None, Some(g), None) => Some(ConstraintSpec::Gbnf(g.clone())),
+            (None, None, Some(r)) => Some(ConstraintSpec::Regex(r.clone())),
+            _ => return Err("give at most one of \"json_schema\", \"grammar\", \"regex\"".into()),
+        })
+    }
 }
 
 #[derive(Deserialize, Debug)]
@@ -129,9 +148,11 @@ fn spec_for(
     a: &RunArgs,
     base: &SamplerConfig,
     r: &Request,
+    constraints: &Constraints,
 ) -> Result<RequestSpec, String> {
     let (prompt, chat_stops) = prompt_tokens(loaded, a, &r.prompt).map_err(|e| format!("{e:#}"))?;
-    let params = params_for(r, a, base, chat_stops)?;
+    let mut params = params_for(r, a, base, chat_stops)?;
+    params.constraint = constraints.for_request(r)?;
     Ok(RequestSpec {
         prompt,
         params,
@@ -143,12 +164,51 @@ fn spec_for(
     })
 }
 
+/// The constraints of a batch: the command line's (for every request without its own) and the
+/// vocabulary they compile against, built once when some request needs one.
+struct Constraints {
+    default: Option<ConstraintSpec>,
+    grammars: Option<Grammars>,
+}
+
+impl Constraints {
+    fn for_request(&self, r: &Request) -> Result<Option<Box<Constraint>>, String> {
+        let Some(spec) = r.constraint()?.or_else(|| self.default.clone()) else {
+            return Ok(None);
+        };
+        let grammars = self
+            .grammars
+            .as_ref()
+            .expect("built when a request has a constraint");
+        let c = grammars.compile(&spec).map_err(|e| e.to_string())?;
+        Ok(Some(Box::new(c)))
+    }
+}
+
 pub fn batch(a: RunArgs) -> Result<()> {
     let base = a.sampling.config()?;
     let path = a.batch_file.clone().expect("dispatched on --batch-file");
     let entries = read_entries(&path)?;
+    let default = constraint::spec(&a.constraint)?.map(|(_, s)| s);
     let parallel = (a.parallel as usize).min(entries.len()).max(1);
     let loaded = load_model_for(&a, parallel)?;
+    let constrained = default.is_some()
+        || entries.iter().any(|e| {
+            e.request
+                .as_ref()
+                .is_ok_and(|r| !matches!(r.constraint(), Ok(None)))
+        });
+    let constraints = Constraints {
+        default,
+        grammars: if constrained {
+            Some(Grammars::new(
+                &loaded.tokenizer,
+                loaded.runner.vocab_size(),
+            )?)
+        } else {
+            None
+        },
+    };
     let cancel = cancel_flag();
     let bar = progress::requests(entries.len());
     let stdout = std::io::stdout();
@@ -168,7 +228,7 @@ pub fn batch(a: RunArgs) -> Result<()> {
             .request
             .as_ref()
             .map_err(Clone::clone)
-            .and_then(|r| spec_for(&loaded, &a, &base, r));
+            .and_then(|r| spec_for(&loaded, &a, &base, r, &constraints));
         match spec {
             Ok(s) => {
                 prompt_lens[i] = s.prompt.len();

@@ -423,11 +423,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         stop,
         ignore_eos: false,
         // Every answer starts the constraint afresh.
-        constraint: constraint::compile(
-            constraint,
-            &loaded.tokenizer,
-            loaded.runner.vocab_size(),
-        )?,
+        constraint: constraint::compile(constraint, &loaded.tokenizer, loaded.runner.vocab_size())?,
     };
     note!(
         "infer: loaded {} in {:.2} s ({} threads, context {}). /help lists commands; Ctrl-D leaves.",

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use anyhow::Result;
 use serde_json::{json, Value};
 
-use crate::cli::constraint;
 use crate::cli::args::RunArgs;
+use crate::cli::constraint;
 use crate::cli::load::{load_cpu, load_for, Loaded};
 use crate::cli::tokenize::read_stdin_text;
 use crate::cli::{note, progress, UsageError};

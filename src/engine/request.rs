@@ -176,7 +176,11 @@ impl Request {
         out.push(Event::Token { id, text, logprobs });
         let reason = if hit {
             StopReason::StopString
-        } else if self.constraint.as_deref().is_some_and(Constraint::is_finished) {
+        } else if self
+            .constraint
+            .as_deref()
+            .is_some_and(Constraint::is_finished)
+        {
             // The structure is complete and nothing may follow: end as the model would.
             StopReason::Eos
         } else if self.generated >= self.spec.params.max_tokens {

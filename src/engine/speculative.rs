@@ -20,8 +20,8 @@ use std::time::Instant;
 
 use anyhow::Result;
 
-use crate::engine::runner::{Runner, Sequence};
 use crate::engine::constraint::Constraint;
+use crate::engine::runner::{Runner, Sequence};
 use crate::engine::sampler::Sampler;
 use crate::model::Backend;
 use cost::CostModel;

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod params;
 pub mod respond;
 mod routes;
+pub mod tools;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -26,6 +27,7 @@ use std::sync::{Arc, OnceLock};
 use anyhow::{Context, Result};
 
 use crate::chat::PromptFormat;
+use crate::engine::constraint::{Constraint, ConstraintSpec, Grammars};
 use crate::engine::load::Loaded;
 use crate::engine::request::LookupSpec;
 use crate::engine::scheduler::{Reuse, SchedulerConfig};
@@ -67,6 +69,23 @@ pub struct Ready {
     pub seq_len: usize,
     pub n_ctx_train: usize,
     pub engine: EngineHandle,
+    /// The vocabulary trie constraints compile against (built at the first structured request).
+    pub grammars: OnceLock<Result<Grammars, String>>,
+    /// The model's output row width.
+    pub n_logits: usize,
+}
+
+impl Ready {
+    /// A constraint for one request (every choice clones it).
+    pub fn constraint(&self, spec: &ConstraintSpec) -> anyhow::Result<Constraint> {
+        let grammars = self.grammars.get_or_init(|| {
+            tokio::task::block_in_place(|| {
+                Grammars::new(&self.tok, self.n_logits).map_err(|e| format!("{e:#}"))
+            })
+        });
+        let g = grammars.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(g.compile(spec)?)
+    }
 }
 
 /// Everything the handlers share.
@@ -179,6 +198,8 @@ async fn serve_async(
                     seq_len,
                     n_ctx_train,
                     engine: handle.clone(),
+                    grammars: OnceLock::new(),
+                    n_logits: runner.vocab_size(),
                 });
                 log(&format!(
                     "ready: http://{local}/ (chat page), http://{local}/v1"

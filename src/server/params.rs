@@ -289,31 +289,10 @@ pub fn template_messages(messages: &[Value]) -> Result<Value, ApiError> {
             }
         };
         let mut o = obj.clone();
+        crate::server::tools::template_tool_calls(&mut o);
         o.insert("role".into(), Value::from(role));
         o.insert("content".into(), Value::from(message_text(m, i)?));
         out.push(Value::Object(o));
     }
     Ok(Value::Array(out))
-}
-
-/// Refuses what the server cannot honour yet instead of ignoring it.
-pub fn check_chat_support(r: &ChatRequest) -> Result<(), ApiError> {
-    if let Some(f) = &r.response_format {
-        let ty = f.get("type").and_then(Value::as_str).unwrap_or("");
-        if ty != "text" {
-            return Err(ApiError::param(
-                "response_format",
-                format!("`response_format` of type `{ty}` is not supported yet (only `text`)"),
-            ));
-        }
-    }
-    if let Some(c) = &r.tool_choice {
-        if !matches!(c.as_str(), Some("none" | "auto")) {
-            return Err(ApiError::param(
-                "tool_choice",
-                "only `tool_choice` \"auto\" or \"none\" is supported yet",
-            ));
-        }
-    }
-    Ok(())
 }

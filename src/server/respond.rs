@@ -24,6 +24,7 @@ use crate::engine::request::{Event, LookupSpec, RequestId, RequestSpec};
 use crate::server::engine::{Command, EngineHandle};
 use crate::server::error::ApiError;
 use crate::server::params::Settings;
+use crate::server::tools::{may_be_calls, parse_calls, tool_calls_json, ToolMode};
 use crate::server::{AppState, Ready};
 use crate::tokenizer::Tokenizer;
 
@@ -51,6 +52,10 @@ pub struct Job {
     /// `Some(k)`: every token's log-probability and its `k` most likely alternatives.
     pub logprobs: Option<usize>,
     pub lookup: Option<LookupSpec>,
+    /// Whether (and how) the answer's `<tool_call>` blocks are tool calls.
+    pub tools: ToolMode,
+    /// The declared functions' names.
+    pub tool_names: Vec<String>,
 }
 
 /// A request's place in the server (see the module invariants).
@@ -76,7 +81,7 @@ impl Drop for Ticket {
 
 /// `OpenAI`'s finish reason for how a choice ended. A request cut short by the server stopping
 /// reports `length`: its text is incomplete, as with a length limit.
-fn finish_reason(s: StopReason) -> &'static str {
+pub fn finish_reason(s: StopReason) -> &'static str {
     match s {
         StopReason::Eos | StopReason::StopString => "stop",
         StopReason::Length | StopReason::ContextFull | StopReason::Interrupted => "length",
@@ -149,6 +154,8 @@ struct Choice {
     stats: Option<GenStats>,
     first: Option<Instant>,
     last: Option<Instant>,
+    /// Bytes of `text` already streamed (text that may be a tool call is held back).
+    sent: usize,
 }
 
 fn usage(prompt_len: usize, choices: &[Choice]) -> Value {
@@ -365,14 +372,23 @@ impl Run {
             .into_iter()
             .enumerate()
             .map(|(i, c)| {
-                let reason = c.stats.as_ref().map(|s| finish_reason(s.stop));
+                let mut reason = c.stats.as_ref().map(|s| finish_reason(s.stop));
                 match kind {
-                    Kind::Chat => json!({
-                        "index": i,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": if want_lp { json!({"content": c.chat_logprobs}) } else { Value::Null },
-                        "finish_reason": reason,
-                    }),
+                    Kind::Chat => {
+                        let mut message = json!({"role": "assistant", "content": c.text});
+                        if let Some((content, calls)) = self.calls(&c.text) {
+                            message["content"] =
+                                if content.is_empty() { Value::Null } else { content.into() };
+                            message["tool_calls"] = tool_calls_json(&calls, &self.call_id(i));
+                            reason = Some("tool_calls");
+                        }
+                        json!({
+                            "index": i,
+                            "message": message,
+                            "logprobs": if want_lp { json!({"content": c.chat_logprobs}) } else { Value::Null },
+                            "finish_reason": reason,
+                        })
+                    }
                     Kind::Text => json!({
                         "index": i,
                         "text": c.text,
@@ -387,6 +403,20 @@ impl Run {
         body["usage"] = usage;
         drop(ticket);
         Ok((StatusCode::OK, axum::Json(body)).into_response())
+    }
+
+    /// The tool calls an answer holds, when the request offered tools.
+    fn calls(&self, text: &str) -> Option<(String, Vec<crate::server::tools::ToolCall>)> {
+        if self.job.tools == ToolMode::Off {
+            return None;
+        }
+        parse_calls(text, &self.job.tool_names)
+    }
+
+    /// The base of choice `i`'s call ids (unique per response).
+    fn call_id(&self, i: usize) -> String {
+        let id = self.head.id.rsplit('-').next().unwrap_or("0");
+        format!("{id}{i}")
     }
 
     /// A chunk with one choice's `delta` (chat) or `text` (completions).
@@ -448,6 +478,18 @@ impl Run {
                 };
                 let out = match self.absorb(i, e) {
                     Step::Text { i, text, lp } => {
+                        let c = &self.choices[i];
+                        if self.job.tools != ToolMode::Off && may_be_calls(&c.text) {
+                            // Perhaps a tool call: sent as one when the answer is complete.
+                            continue;
+                        }
+                        // Text held back before (a false start of a call) goes out with this.
+                        let text = if c.sent + text.len() < c.text.len() {
+                            c.text[c.sent..].to_string()
+                        } else {
+                            text
+                        };
+                        self.choices[i].sent = self.choices[i].text.len();
                         if text.is_empty() && lp.is_none() {
                             continue;
                         }
@@ -456,10 +498,30 @@ impl Run {
                     Step::Finished(i) => {
                         ticket.finished[i] = true;
                         left -= 1;
-                        let reason = self.choices[i]
+                        let mut reason = self.choices[i]
                             .stats
                             .as_ref()
                             .map(|s| finish_reason(s.stop));
+                        let c = &self.choices[i];
+                        let held = c.text[c.sent..].to_string();
+                        let pending = match self.calls(&c.text) {
+                            Some((_, calls)) => {
+                                reason = Some("tool_calls");
+                                let mut d = self.chunk(i, None, None, None);
+                                d["choices"][0]["delta"] = json!({"tool_calls": tool_calls_json(&calls, &self.call_id(i))});
+                                Some(d)
+                            }
+                            None if !held.is_empty() => {
+                                Some(self.chunk(i, Some(&held), None, None))
+                            }
+                            None => None,
+                        };
+                        self.choices[i].sent = self.choices[i].text.len();
+                        if let Some(d) = pending {
+                            if body_tx.send(sse(&d)).await.is_err() {
+                                return;
+                            }
+                        }
                         self.chunk(i, None, None, reason)
                     }
                     Step::Failed(m) => {

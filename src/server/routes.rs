@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 use crate::server::error::ApiError;
 use crate::server::params::{self, ChatRequest, CompletionRequest};
 use crate::server::respond::{respond, Job, Kind};
+use crate::server::tools::{self, ToolMode};
 use crate::server::AppState;
 
 type St = State<Arc<AppState>>;
@@ -272,22 +273,35 @@ async fn chat(State(state): St, b: Result<Bytes, BytesRejection>) -> Result<Resp
     let r: ChatRequest = read(&state, b)?;
     check_model(&state, r.sampling.model.as_deref())?;
     let ready = state.ready()?;
-    params::check_chat_support(&r)?;
+    let plan = tools::plan(&r)?;
     let Some(messages) = &r.messages else {
         return Err(ApiError::param("messages", "`messages` is required"));
     };
-    let text = render_chat(ready, messages, r.tools.as_ref())?;
+    let text = render_chat(ready, messages, plan.render_tools.as_ref())?;
     let bos = ready.format.wants_bos(&ready.tok, &text, true);
     let prompt = ready
         .tok
         .encode(&text, bos, true)
         .map_err(|e| ApiError::internal(format!("tokenizing the prompt: {e:#}")))?;
-    let settings = r.sampling.settings(
+    let mut settings = r.sampling.settings(
         &state.cfg.defaults,
         prompt.len(),
         ready.seq_len,
         &ready.format.stop_strings(),
     )?;
+    if let Some(spec) = &plan.constraint {
+        let field = if plan.tools == ToolMode::Required {
+            "tool_choice"
+        } else {
+            "response_format"
+        };
+        let c = ready
+            .constraint(spec)
+            .map_err(|e| ApiError::param(field, format!("{e:#}")))?;
+        for p in &mut settings.params {
+            p.constraint = Some(Box::new(c.clone()));
+        }
+    }
     let logprobs = match (r.logprobs.unwrap_or(false), r.top_logprobs) {
         (_, Some(k)) if k > 20 => {
             return Err(ApiError::param(
@@ -310,6 +324,8 @@ async fn chat(State(state): St, b: Result<Bytes, BytesRejection>) -> Result<Resp
         settings,
         logprobs,
         lookup: state.cfg.lookup,
+        tools: plan.tools,
+        tool_names: plan.names,
     };
     respond(state.clone(), ready, job).await
 }
@@ -378,6 +394,8 @@ async fn completions(
         settings,
         logprobs,
         lookup: state.cfg.lookup,
+        tools: ToolMode::Off,
+        tool_names: Vec::new(),
     };
     respond(state.clone(), ready, job).await
 }

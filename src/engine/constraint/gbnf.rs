@@ -361,9 +361,7 @@ impl Parser<'_> {
                     inner
                 }
                 Some('<') => return Err(self.err("token references (<[id]>) are not supported")),
-                Some(c) if c.is_ascii_alphanumeric() || c == '-' => {
-                    Node::Ref(self.name()?, at)
-                }
+                Some(c) if c.is_ascii_alphanumeric() || c == '-' => Node::Ref(self.name()?, at),
                 _ => break,
             };
             self.skip(nested);

@@ -27,8 +27,6 @@ use serde_json::Value;
 
 use crate::tokenizer::Tokenizer;
 
-
-
 /// What the output must match.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ConstraintSpec {
@@ -48,12 +46,12 @@ impl ConstraintSpec {
     /// The llguidance grammar, or why the spec cannot be one.
     fn grammar(&self) -> Result<TopLevelGrammar, String> {
         Ok(match self {
-            ConstraintSpec::JsonSchema(schema) => TopLevelGrammar::from_json_schema(json_options(
-                schema.clone(),
-            )?),
-            ConstraintSpec::JsonObject => {
-                TopLevelGrammar::from_json_schema(json_options(serde_json::json!({"type": "object"}))?)
+            ConstraintSpec::JsonSchema(schema) => {
+                TopLevelGrammar::from_json_schema(json_options(schema.clone())?)
             }
+            ConstraintSpec::JsonObject => TopLevelGrammar::from_json_schema(json_options(
+                serde_json::json!({"type": "object"}),
+            )?),
             ConstraintSpec::Gbnf(text) => {
                 TopLevelGrammar::from_lark(gbnf::to_lark(text).map_err(|e| e.to_string())?)
             }
@@ -158,7 +156,11 @@ impl Grammars {
             .grammar()
             .map_err(|e| ConstraintError(format!("invalid {}: {e}", spec.kind())))?;
         let parser = self.factory.create_parser(grammar).map_err(|e| {
-            ConstraintError(format!("invalid {}: {}", spec.kind(), clean(&e.to_string())))
+            ConstraintError(format!(
+                "invalid {}: {}",
+                spec.kind(),
+                clean(&e.to_string())
+            ))
         })?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
