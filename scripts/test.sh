@@ -8,7 +8,8 @@
 # What it installs, each step idempotent:
 # - Python packages (scripts/test-requirements.txt): gguf-py and numpy, the independent GGUF reader
 #   and dequantizer the conversion tests check our files with; the NVRTC 12.4 wheels that compile
-#   the CUDA kernels (no GPU needed); the official openai client the server tests drive it with.
+#   the CUDA kernels (no GPU needed); the official openai client the server tests drive it with;
+#   jsonschema, which checks structured output.
 # - Chromium (Debian's package, as root through apt-get), for the chat page test.
 # - The real models (scripts/fetch-models.sh: skipped when present with the right sha256).
 # Then it regenerates the CUDA kernels' PTX and cubins and fails on any difference with the

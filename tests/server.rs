@@ -1,5 +1,6 @@
 //! `infer serve` end to end: the real binary on loopback, driven by the official `openai` Python
-//! client (tests/server/openai_client.py), a load and fault test with more clients than KV
+//! client (tests/server/openai_client.py; structured output and tool calls in
+//! tests/server/structured_client.py), a load and fault test with more clients than KV
 //! (tests/server/load.py), the chat page in headless Chromium (tests/server/chat_page.py), and
 //! a stop signal in the middle of a stream. The truth for greedy outputs is `infer run` alone.
 
@@ -188,6 +189,16 @@ fn openai_client_chat_completions_errors_and_metrics() {
             expect_path.to_str().unwrap(),
         ],
     );
+    assert!(server.stop().success(), "the server exits 0 on SIGTERM");
+}
+
+/// Structured output and tool calls through the official client (tests/server/structured_client.py):
+/// `response_format` json_schema/json_object checked with `jsonschema`, refused schemas, and a
+/// weather tool with `tool_choice` required/named, streamed, and its result rendered next turn.
+#[test]
+fn openai_client_structured_output_and_tool_calls() {
+    let server = Server::start(common::QWEN, &["--temp", "0", "--ctx", "2048"]);
+    python("structured_client.py", &["--url", &server.url]);
     assert!(server.stop().success(), "the server exits 0 on SIGTERM");
 }
 

@@ -428,6 +428,10 @@ pub struct BenchArgs {
     /// bandwidth per token
     #[arg(long, conflicts_with = "concurrency")]
     pub profile: bool,
+    /// Measure structured output's cost: decode with and without this JSON schema (a file, or
+    /// the schema itself) in the same run, and the mask time per token
+    #[arg(long, value_name = "FILE|JSON", conflicts_with_all = ["concurrency", "profile"])]
+    pub json_schema: Option<String>,
     /// One JSON object on stdout instead of the table
     #[arg(long)]
     pub json: bool,

@@ -78,6 +78,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if !a.concurrency.is_empty() {
         return crate::cli::bench_concurrency::bench(a);
     }
+    if let Some(schema) = a.json_schema.clone() {
+        return crate::cli::bench_structured::bench(a, &schema);
+    }
     let n_prompt = a.n_prompt.unwrap_or(512);
     if n_prompt == 0 && a.n_gen == 0 {
         return Err(UsageError("nothing to measure: -p and -n are both 0".into()).into());

@@ -5,6 +5,7 @@ mod args;
 mod batch;
 mod bench;
 mod bench_concurrency;
+mod bench_structured;
 mod chat;
 mod constraint;
 mod imatrix;

@@ -274,7 +274,21 @@ pub fn generate_with<B: Backend>(
             }
             (None, None) => {
                 runner.recycle(std::mem::take(&mut logits));
-                runner.compute(seq)?
+                match constraint.as_deref_mut() {
+                    // The next mask is computed while the forward runs (an error shows again
+                    // when it is applied).
+                    Some(c) => std::thread::scope(|scope| {
+                        let mask = scope.spawn(move || {
+                            let _ = c.prepare();
+                        });
+                        let l = runner.compute(seq);
+                        if let Err(panic) = mask.join() {
+                            std::panic::resume_unwind(panic);
+                        }
+                        l
+                    })?,
+                    None => runner.compute(seq)?,
+                }
             }
         };
     };

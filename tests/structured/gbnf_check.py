@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """An independent GBNF recognizer: does a text belong to a grammar's language?
 
-    gbnf_check.py GRAMMAR.gbnf < text      exit 0 if it matches from `root` to the end, 1 if not
+    gbnf_check.py GRAMMAR.gbnf < text            exit 0 if it matches from `root` to the end, 1 if not
+    gbnf_check.py --prefix GRAMMAR.gbnf < text   exit 0 if some text in the language starts so
 
 The grammar is read here (its own parser, not infer's) into character-level rules and the text is
 checked with an Earley recognizer, so a test can hold infer's constrained output to the grammar
@@ -181,8 +182,8 @@ def parse(src):
     return g
 
 
-def recognizes(g, text, start="root"):
-    """Earley recognition of `text` from `start`."""
+def recognizes(g, text, start="root", prefix=False):
+    """Earley recognition of `text` from `start` (with `prefix`: of some text that starts so)."""
     n = len(text)
     chart = [set() for _ in range(n + 1)]  # items (rule, alt index, dot, origin)
     chart[0] = {(start, k, 0, 0) for k in range(len(g.rules[start]))}
@@ -222,12 +223,16 @@ def recognizes(g, text, start="root"):
                         todo.append(it)
             elif pos < n and v(text[pos]):
                 chart[pos + 1].add((r, k, dot + 1, org))
+    if prefix:
+        # Something was scanned up to the end: the text can still be completed.
+        return bool(chart[n])
     return any(r == start and org == 0 and d == len(g.rules[r][k]) for (r, k, d, org) in chart[n])
 
 
 if __name__ == "__main__":
-    grammar = parse(open(sys.argv[1], encoding="utf-8").read())
+    prefix = sys.argv[1] == "--prefix"
+    grammar = parse(open(sys.argv[-1], encoding="utf-8").read())
     text = sys.stdin.read()
-    ok = recognizes(grammar, text)
+    ok = recognizes(grammar, text, prefix=prefix)
     print("match" if ok else "no match")
     sys.exit(0 if ok else 1)

@@ -251,9 +251,19 @@ impl Constraint {
         self.prepare()?;
         let mask = self.mask.as_ref().expect("prepared");
         let may_end = mask.is_allowed(self.trie_eos);
-        for (id, l) in logits.iter_mut().enumerate() {
-            if id >= mask.len() || !mask.is_allowed(id as u32) {
-                *l = f32::NEG_INFINITY;
+        // 32 ids a word: most words are all-allowed or all-forbidden.
+        let words = mask.as_slice();
+        for (w, chunk) in logits.chunks_mut(32).enumerate() {
+            match words.get(w).copied().unwrap_or(0) {
+                u32::MAX => {}
+                0 => chunk.fill(f32::NEG_INFINITY),
+                bits => {
+                    for (b, l) in chunk.iter_mut().enumerate() {
+                        if bits >> b & 1 == 0 {
+                            *l = f32::NEG_INFINITY;
+                        }
+                    }
+                }
             }
         }
         for &e in self.eog.iter() {
@@ -334,5 +344,103 @@ impl Constraint {
     /// Total time spent computing masks, and how many.
     pub fn mask_stats(&self) -> (Duration, u64) {
         (self.mask_time, self.masks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenizer::TokenizerSpec;
+
+    /// A tiny SentencePiece-style vocabulary: control tokens, digits, and multi-byte pieces.
+    fn tokenizer() -> Tokenizer {
+        let tokens = [
+            "<unk>", "<s>", "</s>", "0", "1", "2", "12", "a", "b", "ab", "{", "}", "\"", "▁",
+        ];
+        let types = [2, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1];
+        let spec = TokenizerSpec {
+            model: "llama".into(),
+            tokens: tokens.iter().map(|s| s.to_string()).collect(),
+            token_types: Some(types.to_vec()),
+            special_ids: vec![("eos_token_id".into(), 2), ("bos_token_id".into(), 1)],
+            add_space_prefix: Some(false),
+            ..TokenizerSpec::default()
+        };
+        Tokenizer::from_spec(spec).unwrap()
+    }
+
+    fn allowed(c: &mut Constraint, n: usize) -> Vec<u32> {
+        let mut l = vec![0.0f32; n];
+        c.apply(&mut l).unwrap();
+        (0..n as u32).filter(|&i| l[i as usize] == 0.0).collect()
+    }
+
+    #[test]
+    fn masks_follow_a_regex_and_end_only_where_complete() {
+        let tok = tokenizer();
+        // Two more logits than tokens: padding ids are never allowed.
+        let g = Grammars::new(&tok, 16).unwrap();
+        let mut c = g.compile(&ConstraintSpec::Regex("[12]{2}".into())).unwrap();
+        assert_eq!(
+            allowed(&mut c, 16),
+            [4, 5, 6],
+            "a digit or '12', no end, no control"
+        );
+        c.commit(4).unwrap();
+        assert!(!c.is_finished());
+        assert_eq!(allowed(&mut c, 16), [4, 5]);
+        assert!(c.commit(6).is_err(), "'12' would make three digits");
+        c.commit(5).unwrap();
+        assert!(c.is_finished());
+        assert_eq!(
+            allowed(&mut c, 16),
+            [2],
+            "only the end once the structure is whole"
+        );
+    }
+
+    #[test]
+    fn drafts_are_checked_and_rows_masked_without_moving_the_state() {
+        let tok = tokenizer();
+        let g = Grammars::new(&tok, 14).unwrap();
+        let mut c = g
+            .compile(&ConstraintSpec::Regex("a(b|ab)*".into()))
+            .unwrap();
+        assert_eq!(
+            c.accepted_prefix(&[7, 8, 9, 7, 7]),
+            4,
+            "'abab' + 'a' fits, a second 'a' not"
+        );
+        let mut rows = vec![vec![0.0f32; 14]; 3];
+        c.mask_rows(&[7, 9], &mut rows).unwrap();
+        let ok = |r: &Vec<f32>| (0..14).filter(|&i| r[i] == 0.0).collect::<Vec<_>>();
+        assert_eq!(ok(&rows[0]), [7, 9], "first: 'a' or 'ab'");
+        assert_eq!(
+            ok(&rows[1]),
+            [2, 7, 8, 9],
+            "after 'a': the end, 'b', 'ab', or 'a'+'b'..."
+        );
+        assert_eq!(ok(&rows[2]), [2, 7, 8, 9]);
+        assert_eq!(allowed(&mut c, 14), [7, 9], "the state is where it was");
+    }
+
+    #[test]
+    fn bad_specs_are_errors_with_reasons() {
+        let tok = tokenizer();
+        let g = Grammars::new(&tok, 14).unwrap();
+        let e = g
+            .compile(&ConstraintSpec::JsonSchema(
+                serde_json::json!({"type": "array", "uniqueItems": true}),
+            ))
+            .unwrap_err();
+        assert!(e.0.contains("uniqueItems"), "{e}");
+        let e = g
+            .compile(&ConstraintSpec::Gbnf("root ::= x".into()))
+            .unwrap_err();
+        assert!(e.0.contains("'x' is not defined"), "{e}");
+        let e = g
+            .compile(&ConstraintSpec::JsonSchema(serde_json::json!([1])))
+            .unwrap_err();
+        assert!(e.0.contains("not an array"), "{e}");
     }
 }
