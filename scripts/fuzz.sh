@@ -10,7 +10,8 @@
 # range of what it accepts), server_request (`infer serve`'s body parsing and checks), tokenizer
 # (both real tokenizers; needs the models from scripts/fetch-models.sh), chat_template
 # (arbitrary templates and messages), hf_checkpoint (config.json and safetensors bytes through
-# `infer quantize`'s reader and plan). Seeds are in
+# `infer quantize`'s reader and plan), prompt_cache (the prompt cache file), constraint (JSON
+# schemas, GBNF grammars and regexes compiled and stepped over a small vocabulary). Seeds are in
 # fuzz/seeds/TARGET, the growing corpus in fuzz/corpus/TARGET (git-ignored). Limits: 1 s per
 # input, 2 GiB of memory. Exits non-zero on the first crash, leak, timeout or out-of-memory, with
 # the input under fuzz/artifacts/TARGET.
@@ -19,7 +20,7 @@ cd "$(dirname "$0")/../fuzz"
 secs="${1:-30}"
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(gguf server_request tokenizer chat_template hf_checkpoint prompt_cache)
+[ ${#targets[@]} -gt 0 ] || targets=(gguf server_request tokenizer chat_template hf_checkpoint prompt_cache constraint)
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz --locked --version 0.13.1
 export RUSTC_BOOTSTRAP=1
 echo "== building the fuzz targets (AddressSanitizer)" >&2

@@ -113,8 +113,8 @@ fn real_world_schemas_validate_or_are_refused() {
 }
 
 /// Greedy constrained output is the same through the scheduler, with prompt lookup, with
-/// self-speculation (drafts checked against the constraint, rows masked before verification) and
-/// in a batch.
+/// self-speculation (drafts checked against the constraint, rows masked before verification),
+/// through the single-sequence loop (masks computed beside its forward) and in a batch.
 #[test]
 fn speculation_and_batching_keep_constrained_greedy_output() {
     let schema = r#"{"type":"object","properties":{"name":{"type":"string","maxLength":30},"tags":{"type":"array","items":{"type":"string","maxLength":12},"maxItems":4},"ok":{"type":"boolean"}},"required":["name","tags","ok"],"additionalProperties":false}"#;
@@ -142,6 +142,7 @@ fn speculation_and_batching_keep_constrained_greedy_output() {
     assert!(v["tags"].is_array() && v["ok"].is_boolean(), "{plain}");
     assert_eq!(run(&["--lookup", "3"]), plain, "prompt lookup");
     assert_eq!(run(&["--self-draft", "6"]), plain, "self-speculation");
+    assert_eq!(run(&["--context-shift"]), plain, "the single-sequence loop");
     let dir = common::scratch("structured_batch");
     let batch = dir.join("batch.jsonl");
     let line = serde_json::json!({"prompt": prompt, "json_schema": serde_json::from_str::<serde_json::Value>(schema).unwrap(), "max_tokens": 80, "temperature": 0});

@@ -1,8 +1,10 @@
-//! `infer serve`'s request parsing on arbitrary bodies: parsing, the chat messages' checks and the
-//! sampling settings answer a value or an `ApiError` (a 4xx), never panic.
+//! `infer serve`'s request parsing on arbitrary bodies: parsing, the chat messages' checks, the
+//! `response_format`/`tools` plan (and tool-call parsing of the body's text) and the sampling
+//! settings answer a value or an `ApiError` (a 4xx), never panic.
 #![no_main]
 
 use infer::server::params::{self, ChatRequest, CompletionRequest, Defaults};
+use infer::server::tools;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -12,7 +14,9 @@ fuzz_target!(|data: &[u8]| {
         max_tokens: None,
     };
     if let Ok(r) = params::parse::<ChatRequest>(data) {
-        let _ = params::check_chat_support(&r);
+        if let Ok(plan) = tools::plan(&r) {
+            let _ = tools::parse_calls(&String::from_utf8_lossy(data), &plan.names);
+        }
         if let Some(m) = &r.messages {
             let _ = params::template_messages(m);
         }

@@ -56,6 +56,8 @@ pub struct ChatRequest {
     pub top_logprobs: Option<u32>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    /// `false`: at most one tool call per answer.
+    pub parallel_tool_calls: Option<bool>,
     pub response_format: Option<Value>,
     #[serde(flatten)]
     pub sampling: Sampling,

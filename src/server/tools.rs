@@ -112,7 +112,8 @@ pub fn plan(r: &ChatRequest) -> Result<Plan, ApiError> {
         };
         (format, mode)
     } else {
-        (Some(calls_grammar(&forced)), ToolMode::Required)
+        let parallel = r.parallel_tool_calls.unwrap_or(true);
+        (Some(calls_grammar(&forced, parallel)), ToolMode::Required)
     };
     Ok(Plan {
         constraint,
@@ -171,8 +172,9 @@ fn function(t: &Value, i: usize) -> Result<(String, Value), ApiError> {
     Ok((name.to_string(), params))
 }
 
-/// One or more `<tool_call>` blocks, each a call of one of `functions` with valid arguments.
-fn calls_grammar(functions: &[&(String, Value)]) -> ConstraintSpec {
+/// One `<tool_call>` block (or, with `parallel`, several), each a call of one of `functions` with
+/// valid arguments.
+fn calls_grammar(functions: &[&(String, Value)], parallel: bool) -> ConstraintSpec {
     let calls: Vec<Value> = functions
         .iter()
         .map(|(name, params)| {
@@ -194,8 +196,13 @@ fn calls_grammar(functions: &[&(String, Value)]) -> ConstraintSpec {
         "item_separator": ", ",
         "key_separator": ": ",
     });
+    let start = if parallel {
+        "start: call (\"\\n\" call)*"
+    } else {
+        "start: call"
+    };
     ConstraintSpec::Lark(format!(
-        "start: call (\"\\n\" call)*\ncall: {open} \"\\n\" %json {call} \"\\n\" {close}\n",
+        "{start}\ncall: {open} \"\\n\" %json {call} \"\\n\" {close}\n",
         open = serde_json::to_string(OPEN).expect("a string"),
         close = serde_json::to_string(CLOSE).expect("a string"),
     ))
@@ -325,6 +332,12 @@ mod tests {
         assert_eq!(p.tools, ToolMode::Required);
         assert!(
             matches!(p.constraint, Some(ConstraintSpec::Lark(ref g)) if g.contains("get_weather"))
+        );
+        let mut one = req(json!("required"));
+        one.parallel_tool_calls = Some(false);
+        let p = plan(&one).unwrap();
+        assert!(
+            matches!(p.constraint, Some(ConstraintSpec::Lark(ref g)) if g.starts_with("start: call\n"))
         );
         let p = plan(&req(json!("none"))).unwrap();
         assert_eq!(p.tools, ToolMode::Off);

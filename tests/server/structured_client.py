@@ -135,6 +135,11 @@ def main():
     check("named: only get_time is called",
           len(calls) >= 1 and all(x.function.name == "get_time" for x in calls), repr(calls))
 
+    r = client.chat.completions.create(model=model, messages=q, max_tokens=200, tools=[WEATHER, TIME],
+                                       tool_choice="required", parallel_tool_calls=False)
+    check("parallel_tool_calls false: exactly one call",
+          len(r.choices[0].message.tool_calls or []) == 1, repr(r.choices[0].message))
+
     # Streaming: the call arrives as delta.tool_calls, no stray content.
     stream = client.chat.completions.create(model=model, messages=q, max_tokens=100,
                                             tools=[WEATHER], tool_choice="required", stream=True)
