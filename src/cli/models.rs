@@ -4,7 +4,7 @@
 //! else `$XDG_CACHE_HOME/infer/models` (`~/.cache/infer/models`); `infer pull` fills it
 //! (`src/cli/pull.rs`). `--model ALIAS` resolves to the file in the cache, then under `./models`
 //! and the source tree's `models/`, from any directory; `infer models` lists where each model is
-//! and `infer rm` removes one from the cache.
+//! and `infer rm` removes one from the cache (with its repacked weights, see [`pack_dir`]).
 //!
 //! Invariants: a path that exists always wins over an alias; a file in the cache under a model's
 //! name is complete and verified (pull writes `FILE.part` and renames it only after the sha256
@@ -107,13 +107,28 @@ pub fn cache_dir() -> Result<PathBuf> {
     if let Some(d) = std::env::var_os("INFER_MODELS").filter(|d| !d.is_empty()) {
         return Ok(PathBuf::from(d));
     }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .filter(|p| p.is_absolute())
-        .or_else(dirs::cache_dir);
-    match base {
+    match xdg_cache() {
         Some(b) => Ok(b.join("infer").join("models")),
         None => bail!("no cache folder: set INFER_MODELS or XDG_CACHE_HOME (HOME is not set)"),
+    }
+}
+
+/// `$XDG_CACHE_HOME`, else the platform's cache folder (`~/.cache`).
+fn xdg_cache() -> Option<PathBuf> {
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(dirs::cache_dir)
+}
+
+/// Where the CPU backend keeps repacked weights between runs, so that a start skips the repack:
+/// `$INFER_PACK_CACHE` (`0` or `off`: nowhere, repack at every start), else
+/// `$XDG_CACHE_HOME/infer/packed`.
+pub fn pack_dir() -> Option<PathBuf> {
+    match std::env::var_os("INFER_PACK_CACHE") {
+        Some(v) if v == "0" || v == "off" => None,
+        Some(v) if !v.is_empty() => Some(PathBuf::from(v)),
+        _ => xdg_cache().map(|b| b.join("infer").join("packed")),
     }
 }
 
@@ -214,6 +229,9 @@ pub fn remove(aliases: &[String]) -> Result<()> {
                 .with_context(|| format!("removing {}", partial.display()))?;
         }
         let _ = std::fs::remove_file(crate::cli::pull::part_file(&cache, &m));
+        if let Some(dir) = pack_dir() {
+            infer::kernels::cpu::layouts::pack_file::remove_packs(&dir, &m.file, None);
+        }
         if file.is_file() {
             std::fs::remove_file(&file).with_context(|| format!("removing {}", file.display()))?;
             crate::cli::note!("infer: removed {} ({})", m.alias, file.display());
