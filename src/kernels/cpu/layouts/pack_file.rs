@@ -11,8 +11,8 @@
 //!
 //! Invariants:
 //! - A pack file holds exactly the bytes the packing functions produce for its key: the key
-//!   hashes the model file (path, size, modification time, inode, [`Gguf::fingerprint`]), this
-//!   executable (path, size, modification time: a rebuild may change a layout) and the SIMD
+//!   hashes the model file (path, size, modification time, inode, [`Gguf::fingerprint`]), the
+//!   sources that decide the layouts' bytes (`INFER_LAYOUT_HASH`, from `build.rs`) and the SIMD
 //!   level (which picks the layouts). A file whose footer or table does not match is ignored and
 //!   replaced, so the output is byte-identical whichever copy a matrix is read from.
 //! - A pack file is written as `NAME.tmp-PID`, synced, and renamed, so a file under the final
@@ -189,7 +189,7 @@ pub struct PackFile {
     state: Mutex<State>,
 }
 
-/// The key of a model file for this executable and CPU (see the module invariants).
+/// The key of a model file for this build's layouts and this CPU (see the module invariants).
 fn key(model: &Path, g: &Gguf) -> Option<u64> {
     let mut s = String::new();
     let meta = |p: &Path, s: &mut String| -> Option<()> {
@@ -214,12 +214,11 @@ fn key(model: &Path, g: &Gguf) -> Option<u64> {
         Some(())
     };
     meta(model, &mut s)?;
-    meta(&std::env::current_exe().ok()?, &mut s)?;
     s.push_str(&format!(
         "{:x}|{:?}|{}",
         g.fingerprint(),
         crate::kernels::cpu::simd::current(),
-        env!("CARGO_PKG_VERSION")
+        env!("INFER_LAYOUT_HASH")
     ));
     Some(crate::format::checksum(s.as_bytes()))
 }
