@@ -174,11 +174,9 @@ enum State {
         map: Arc<memmap2::Mmap>,
         table: HashMap<(usize, usize), (usize, usize)>,
     },
+    /// No valid file: the copies packed at load, written out by [`PackFile::finish`].
     Writing {
-        out: BufWriter<File>,
-        tmp: PathBuf,
-        pos: u64,
-        table: Vec<[u64; 4]>,
+        copies: Vec<(usize, usize, Arc<Copies>)>,
     },
 }
 
@@ -238,18 +236,10 @@ impl PackFile {
                 state: Mutex::new(state),
             }));
         }
-        std::fs::create_dir_all(dir).ok()?;
-        let tmp = dir.join(format!("{name}-{key:016x}.pack.tmp-{}", std::process::id()));
-        let out = BufWriter::with_capacity(1 << 22, File::create(&tmp).ok()?);
         Some(Arc::new(PackFile {
             path,
             key,
-            state: Mutex::new(State::Writing {
-                out,
-                tmp,
-                pos: 0,
-                table: Vec::new(),
-            }),
+            state: Mutex::new(State::Writing { copies: Vec::new() }),
         }))
     }
 
@@ -299,86 +289,88 @@ impl PackFile {
         })
     }
 
-    /// Appends a packed copy just built to the file being written (a write error abandons it).
-    pub fn record(&self, index: usize, offset: usize, bytes: &[u8]) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let State::Writing {
-            out, pos, table, ..
-        } = &mut *st
-        else {
-            return;
-        };
-        let pad = pos.next_multiple_of(ALIGN) - *pos;
-        let ok = out.write_all(&vec![0u8; pad as usize]).is_ok() && out.write_all(bytes).is_ok();
-        if !ok {
-            self.abandon(&mut st);
-            return;
-        }
-        let at = *pos + pad;
-        table.push([index as u64, offset as u64, bytes.len() as u64, at]);
-        *pos = at + bytes.len() as u64;
+    /// Whether the copies are read from a mapped pack file (so the plain ones can wait too).
+    pub fn reading(&self) -> bool {
+        matches!(
+            *self.state.lock().unwrap_or_else(|e| e.into_inner()),
+            State::Reading { .. }
+        )
     }
 
-    fn abandon(&self, st: &mut State) {
-        if let State::Writing { tmp, .. } = st {
-            let _ = std::fs::remove_file(&*tmp);
+    /// Notes the packed copy of `copies` (the matrix at `offset` of tensor `index`) for the file
+    /// written once the load is done.
+    pub fn record(&self, index: usize, offset: usize, copies: Arc<Copies>) {
+        if let State::Writing { copies: all } =
+            &mut *self.state.lock().unwrap_or_else(|e| e.into_inner())
+        {
+            all.push((index, offset, copies));
         }
-        *st = State::Off;
     }
 
-    /// Once every weight is loaded: completes a file being written (or drops it when the model
-    /// packs fewer than [`MIN_PACKED_BYTES`]). Returns what happened, for a note.
+    /// Once every weight is loaded: writes the file when there is one to write and the model
+    /// packs at least [`MIN_PACKED_BYTES`]. Returns what happened, for a note.
     pub fn finish(&self) -> Option<String> {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        match std::mem::replace(&mut *st, State::Off) {
-            State::Off => None,
-            State::Writing {
-                out,
-                tmp,
-                pos,
-                table,
-            } => {
-                if pos < min_packed_bytes() {
-                    drop(out);
-                    let _ = std::fs::remove_file(&tmp);
-                    return None;
-                }
-                match Self::complete(out, &tmp, &self.path, self.key, &table) {
-                    Ok(()) => {
-                        self.remove_stale();
-                        Some(format!(
-                            "wrote the repacked weights to {} for the next start",
-                            self.path.display()
-                        ))
-                    }
-                    Err(e) => {
-                        let _ = std::fs::remove_file(&tmp);
-                        Some(format!("could not write {}: {e}", self.path.display()))
-                    }
-                }
+        let State::Writing { copies } = std::mem::replace(&mut *st, State::Off) else {
+            return None;
+        };
+        let total: u64 = copies
+            .iter()
+            .filter_map(|(_, _, c)| c.packed())
+            .map(|p| p.len() as u64)
+            .sum();
+        if total < min_packed_bytes() {
+            return None;
+        }
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        let name = self
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let tmp = dir.join(format!("{name}.tmp-{}", std::process::id()));
+        match self.write(dir, &tmp, &copies) {
+            Ok(()) => {
+                self.remove_stale();
+                Some(format!(
+                    "wrote the repacked weights to {} for the next start",
+                    self.path.display()
+                ))
             }
-            reading @ State::Reading { .. } => {
-                *st = reading;
-                None
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Some(format!("could not write {}: {e}", self.path.display()))
             }
         }
     }
 
-    fn complete(
-        mut out: BufWriter<File>,
+    /// Writes `copies` and the footer to `tmp`, syncs it and renames it to the final name.
+    fn write(
+        &self,
+        dir: &Path,
         tmp: &Path,
-        path: &Path,
-        key: u64,
-        table: &[[u64; 4]],
+        copies: &[(usize, usize, Arc<Copies>)],
     ) -> std::io::Result<()> {
-        let json = serde_json::to_vec(table)?;
+        std::fs::create_dir_all(dir)?;
+        let mut out = BufWriter::with_capacity(1 << 22, File::create(tmp)?);
+        let (mut pos, mut table) = (0u64, Vec::with_capacity(copies.len()));
+        for (index, offset, c) in copies {
+            let Some(bytes) = c.packed() else { continue };
+            let pad = pos.next_multiple_of(ALIGN) - pos;
+            out.write_all(&vec![0u8; pad as usize])?;
+            out.write_all(bytes)?;
+            let at = pos + pad;
+            table.push([*index as u64, *offset as u64, bytes.len() as u64, at]);
+            pos = at + bytes.len() as u64;
+        }
+        let json = serde_json::to_vec(&table)?;
         out.write_all(&json)?;
         out.write_all(&(json.len() as u64).to_le_bytes())?;
-        out.write_all(&key.to_le_bytes())?;
+        out.write_all(&self.key.to_le_bytes())?;
         out.write_all(MAGIC)?;
         let file = out.into_inner().map_err(|e| e.into_error())?;
         file.sync_all()?;
-        std::fs::rename(tmp, path)
+        std::fs::rename(tmp, &self.path)
     }
 
     /// Deletes the other pack files of the same model file name (older keys).
