@@ -336,10 +336,10 @@ fn run_chat_applies_the_template() {
 }
 
 #[test]
-fn missing_model_names_the_fetch_script() {
+fn missing_model_names_infer_pull() {
     let o = common::infer(&["chat", "-m", "/nonexistent/model.gguf"], None);
     assert_eq!(o.status.code(), Some(2));
-    assert!(common::stderr(&o).contains("scripts/fetch-models.sh"));
+    assert!(common::stderr(&o).contains("infer pull"));
 }
 
 #[test]

@@ -16,7 +16,7 @@ fn usage_errors_exit_2() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     let e = stderr(&o);
     assert!(e.starts_with("infer: "), "{e}");
-    assert!(e.contains("scripts/fetch-models.sh"), "{e}");
+    assert!(e.contains("infer pull"), "{e}");
     // no prompt at all, stdin not piped
     let m = model(GEMMA);
     let o = common::infer(

@@ -57,8 +57,12 @@ pub enum Command {
     Serve(crate::cli::serve::ServeArgs),
     /// Measure prompt processing and generation speed, and memory bandwidth
     Bench(BenchArgs),
-    /// List the known models (aliases for --model) and whether each is downloaded
+    /// List the known models (aliases for --model): where each is and its size
     Models,
+    /// Download known models into the user's model cache (verified by sha256, resumable)
+    Pull(PullArgs),
+    /// Remove models from the user's model cache
+    Rm(RmArgs),
     /// Convert a Hugging Face checkpoint to GGUF, or re-quantize a GGUF file
     Quantize(QuantizeArgs),
     /// Check the CUDA kernels and a whole forward pass against the CPU backend (needs a GPU)
@@ -70,6 +74,23 @@ pub enum Command {
     /// Synthetic model files with a real model's shapes and random weights (GPU checks)
     #[command(hide = true)]
     Synth(crate::cli::synth::SynthArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct PullArgs {
+    /// Model aliases from `infer models`
+    #[arg(value_name = "ALIAS")]
+    pub aliases: Vec<String>,
+    /// Pull every known model
+    #[arg(long, conflicts_with = "aliases")]
+    pub all: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct RmArgs {
+    /// Model aliases to remove from the cache
+    #[arg(value_name = "ALIAS", required = true)]
+    pub aliases: Vec<String>,
 }
 
 #[derive(Args, Debug)]

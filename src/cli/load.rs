@@ -32,6 +32,7 @@ fn options(m: &ModelArgs, ctx: Option<usize>, n_seq: usize) -> LoadOptions {
         n_seq: Some(n_seq),
         device: m.device.device.map(Into::into),
         gpu_layers: m.device.gpu_layers,
+        pack_dir: crate::cli::models::pack_dir(),
     }
 }
 

@@ -13,6 +13,7 @@ mod load;
 mod models;
 mod perplexity;
 mod progress;
+mod pull;
 mod quantize;
 mod run;
 mod selftest;
@@ -95,6 +96,8 @@ pub fn main() -> ExitCode {
         Command::Serve(a) => serve::serve(a),
         Command::Bench(a) => bench::bench(a),
         Command::Models => models::list(),
+        Command::Pull(a) => pull::pull(&a.aliases, a.all),
+        Command::Rm(a) => models::remove(&a.aliases),
         Command::Quantize(a) => quantize::quantize(a),
         Command::Selftest(a) => selftest::selftest(a),
         Command::Perplexity(a) => perplexity::perplexity(a),

@@ -50,6 +50,15 @@ pub fn prefill(total: usize) -> Option<ProgressBar> {
     )
 }
 
+/// A bar over `total` bytes (a download, a file being verified).
+pub fn bytes(total: u64, msg: String) -> Option<ProgressBar> {
+    bar(
+        Some(total),
+        "infer: {spinner} {msg} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})",
+        msg,
+    )
+}
+
 /// A bar over the `total` requests of a batch.
 pub fn requests(total: usize) -> Option<ProgressBar> {
     bar(

@@ -7,7 +7,7 @@
 //! Errors name the file and, where the fix is a setting, the setting (`--device`,
 //! `--gpu-layers`, `--ctx`, as the command line spells them).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -16,6 +16,7 @@ use anyhow::{bail, Context, Result};
 use crate::engine::runner::{Runner, BLOCK_SIZE};
 use crate::format::Gguf;
 use crate::kernels::cpu::backend::CpuBackend;
+use crate::kernels::cpu::layouts::pack_file::PackFile;
 use crate::kernels::cpu::threads::pool::physical_cores;
 use crate::kernels::cuda::backend::CudaBackend;
 use crate::kernels::cuda::launch::Launch;
@@ -38,7 +39,7 @@ pub enum Device {
 pub const DEFAULT_CTX: usize = 4096;
 
 /// How to load a model. `Default` is what `infer run` does without flags.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
     /// Compute threads (default: the physical cores).
     pub threads: Option<usize>,
@@ -51,6 +52,9 @@ pub struct LoadOptions {
     pub device: Option<Device>,
     /// With CUDA, only the first N layers on the GPU (default: all).
     pub gpu_layers: Option<usize>,
+    /// Where the CPU backend keeps its repacked weights between runs (see
+    /// `kernels::cpu::layouts::pack_file`); `None`: repack at every load.
+    pub pack_dir: Option<PathBuf>,
 }
 
 /// A loaded model, ready to generate.
@@ -81,6 +85,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<Loaded> {
     let mut l = load_with(path, opts, |g, cfg, cpu, n_ctx| {
         device_backend(g, cfg, cpu, n_ctx, opts, &mut notes)
     })?;
+    notes.append(&mut l.notes);
     l.notes = notes;
     Ok(l)
 }
@@ -105,9 +110,20 @@ fn load_with<B: Backend>(
         .unwrap_or(DEFAULT_CTX)
         .min(cfg.n_ctx_train.max(1));
     let n_seq = opts.n_seq.unwrap_or(1).max(1);
-    let backend = make(&g, &cfg, CpuBackend::new(threads), n_ctx * n_seq)?;
+    let mut cpu = CpuBackend::new(threads);
+    let pack = opts
+        .pack_dir
+        .as_deref()
+        .and_then(|dir| PackFile::open(dir, path, &g));
+    let deferred = pack.as_ref().map(|pf| cpu.set_pack_file(Arc::clone(pf)));
+    let arena = cpu.arena();
+    let backend = make(&g, &cfg, cpu, n_ctx * n_seq)?;
     let weights =
         Weights::load(&g, &cfg, &backend).with_context(|| format!("loading {}", path.display()))?;
+    let notes = pack.and_then(|pf| pf.finish()).into_iter().collect();
+    if let Some(d) = deferred {
+        d.start(arena);
+    }
     let model = Model {
         cfg,
         weights,
@@ -121,7 +137,7 @@ fn load_with<B: Backend>(
         runner,
         load_secs: t0.elapsed().as_secs_f64(),
         threads,
-        notes: Vec::new(),
+        notes,
     })
 }
 
@@ -203,6 +219,7 @@ mod tests {
             n_seq: Some(3),
             device: Some(Device::Cpu),
             gpu_layers: None,
+            pack_dir: None,
         };
         let l = load(&tiny(), &cpu).unwrap();
         assert_eq!((l.threads, l.runner.n_ctx()), (1, 64));
@@ -214,7 +231,7 @@ mod tests {
             threads: Some(2),
             n_ctx: Some(100_000),
             n_seq: None,
-            ..cpu
+            ..cpu.clone()
         };
         let l = load_cpu(&tiny(), &two).unwrap();
         // The context never exceeds what the model was trained for.
@@ -223,7 +240,7 @@ mod tests {
         if !driver::library_present() {
             let cuda = LoadOptions {
                 device: Some(Device::Cuda),
-                ..cpu
+                ..cpu.clone()
             };
             let e = load(&tiny(), &cuda)
                 .err()

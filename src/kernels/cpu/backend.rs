@@ -4,7 +4,7 @@
 //! splits its output rows across the persistent thread pool; no op allocates per row.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Result};
 use half::slice::HalfFloatSliceExt;
@@ -14,6 +14,7 @@ use crate::kernels::cpu::attention;
 use crate::kernels::cpu::attention::f32_cache::{self, KvF32};
 use crate::kernels::cpu::fused;
 use crate::kernels::cpu::fused::ffn;
+use crate::kernels::cpu::layouts::pack_file::{Copies, Deferred, PackFile};
 use crate::kernels::cpu::layouts::q4_k_x8;
 use crate::kernels::cpu::layouts::q5_0_x16;
 use crate::kernels::cpu::layouts::q6_k_x16;
@@ -45,11 +46,11 @@ pub struct CpuWeight {
     /// The repacked copy a matmul reads instead of the file's bytes: the x8 layout of a Q4_K
     /// matrix (`q4_k_x8`, every matmul), the x16 or x4 layout of a Q6_K one (`q6_k_x16`,
     /// `q6_k_x4`: decode and GEMM) or the x16 layout of a Q5_0 one (`q5_0_x16`: decode only, next
-    /// to `resident`), built at load or on first use; embedding lookups always read the file.
-    packed: OnceLock<Region>,
-    /// A plain copy of the matrix on huge pages that every read uses instead of the file, for the
-    /// matmul weights that have no repacked copy.
-    resident: Option<Region>,
+    /// to the plain copy), built at load, read from a pack file (`pack_file`) or built on first
+    /// use; and, for the matmul weights that have no repacked copy, a plain copy of the matrix on
+    /// huge pages that every read uses instead of the file once it is there. Embedding lookups
+    /// always read the file.
+    copies: Arc<Copies>,
     /// Where the copies live (shared by all the backend's weights).
     arena: Arc<Arena>,
 }
@@ -58,11 +59,33 @@ impl CpuWeight {
     /// The matrix in the file's layout: the plain huge-page copy where there is one, else the
     /// mapped file's bytes.
     pub fn bytes(&self) -> &[u8] {
-        if let Some(r) = &self.resident {
+        if let Some(r) = self.copies.resident.get() {
             return r;
         }
         let data = self.file.tensor_data(&self.file.tensors[self.index]);
         &data[self.offset..self.offset + self.rows * self.row_bytes]
+    }
+
+    /// Drops the file's pages of a matrix that has a packed copy from the resident set, after a
+    /// matmul read the file instead (a prompt under eight tokens or a row-invariant verify reads
+    /// Q6_K rows from the file): the next such read maps them back from the page cache, and
+    /// meanwhile the process holds the matrix once, not twice (Qwen2.5-1.5B: its Q6_K matrices
+    /// are about 300 MB). A no-op for other matrices.
+    pub fn release_file_pages(&self) {
+        if self.copies.resident.get().is_none() && self.copies.packed().is_some() {
+            let data = self.file.tensor_data(&self.file.tensors[self.index]);
+            self.file
+                .release(&data[self.offset..self.offset + self.rows * self.row_bytes]);
+        }
+    }
+
+    /// The packed copy where there is one already (huge pages, else a pack file), else `pack`'s,
+    /// kept on huge pages.
+    fn packed_or(&self, pack: impl FnOnce() -> Region) -> &[u8] {
+        if let Some(p) = self.copies.packed() {
+            return p;
+        }
+        self.copies.packed.get_or_init(pack)
     }
 
     /// The x8-packed Q4_K bytes, packing on first use; `None` for other types and shapes.
@@ -70,7 +93,7 @@ impl CpuWeight {
         if self.ty != GgmlType::Q4K || !q4_k_x8::packable(self.rows, self.cols) {
             return None;
         }
-        Some(self.packed.get_or_init(|| {
+        Some(self.packed_or(|| {
             self.arena.alloc(self.bytes().len(), |out| {
                 q4_k_x8::pack_into(pool, self.bytes(), self.rows, self.cols, out)
             })
@@ -83,7 +106,7 @@ impl CpuWeight {
         if self.ty != GgmlType::Q5_0 || !q5_0_x16::applies(self.rows, self.cols) {
             return None;
         }
-        Some(self.packed.get_or_init(|| {
+        Some(self.packed_or(|| {
             self.arena.alloc(self.bytes().len(), |out| {
                 q5_0_x16::pack_into(pool, self.bytes(), self.rows, self.cols, out)
             })
@@ -97,7 +120,7 @@ impl CpuWeight {
         if self.ty != GgmlType::Q8_0 || !q8_0_x16::applies(self.rows, self.cols) {
             return None;
         }
-        Some(self.packed.get_or_init(|| {
+        Some(self.packed_or(|| {
             self.arena.alloc(self.bytes().len(), |out| {
                 q8_0_x16::pack_into(pool, self.bytes(), self.rows, self.cols, out)
             })
@@ -128,7 +151,7 @@ impl CpuWeight {
         if layout == q6_k_x16::Layout::File {
             return None;
         }
-        Some(self.packed.get_or_init(|| {
+        Some(self.packed_or(|| {
             self.arena.alloc(self.bytes().len(), |out| {
                 let (src, rows, cols) = (self.bytes(), self.rows, self.cols);
                 if layout == q6_k_x16::Layout::X16 {
@@ -331,6 +354,10 @@ pub struct CpuBackend {
     pub(super) rope_tables: RopeTables,
     /// Vectors given back by `recycle`, for `act_for_overwrite` (at most [`SPARE_BUFFERS`]).
     spare: Mutex<Vec<Vec<f32>>>,
+    /// The pack file the weights' packed copies are read from or written to, if any.
+    pack_file: Option<Arc<PackFile>>,
+    /// With a pack file: the copies left to a background thread after the load.
+    deferred: Option<Arc<Deferred>>,
 }
 
 /// Recycled vectors kept at once (a decode loop gives back one logits row per step).
@@ -350,7 +377,25 @@ impl CpuBackend {
             arena: Arc::new(Arena::default()),
             rope_tables: RopeTables::default(),
             spare: Mutex::new(Vec::new()),
+            pack_file: None,
+            deferred: None,
         }
+    }
+
+    /// Fast start: loads the weights' packed copies from `pf` where it has them (writing those it
+    /// packs to it), and leaves the huge-page copies that can wait to a background thread; the
+    /// caller calls [`PackFile::finish`] and [`Deferred::start`] (on the returned handle, with
+    /// [`Self::arena`]) once the weights are loaded.
+    pub fn set_pack_file(&mut self, pf: Arc<PackFile>) -> Arc<Deferred> {
+        self.pack_file = Some(pf);
+        let d = Arc::new(Deferred::default());
+        self.deferred = Some(Arc::clone(&d));
+        d
+    }
+
+    /// The huge-page arena the weights' copies live in.
+    pub fn arena(&self) -> Arc<Arena> {
+        Arc::clone(&self.arena)
     }
 
     /// Runs `f(i, piece)` for every piece `i` of `data` cut into `chunk`-element pieces (the last
@@ -427,7 +472,14 @@ impl Backend for CpuBackend {
                 src.name
             );
         };
-        let mut w = CpuWeight {
+        let copies = Arc::new(Copies {
+            mapped: self
+                .pack_file
+                .as_ref()
+                .and_then(|pf| pf.lookup(src.index, offset, src.bytes.len())),
+            ..Copies::default()
+        });
+        let w = CpuWeight {
             file: Arc::clone(src.file),
             index: src.index,
             ty: src.ty,
@@ -435,14 +487,16 @@ impl Backend for CpuBackend {
             cols: src.cols,
             row_bytes,
             offset,
-            packed: OnceLock::new(),
-            resident: None,
+            copies,
             arena: Arc::clone(&self.arena),
         };
         // Repack now, so that the cost shows in the load time rather than in the first prompt;
-        // an embedding table only where it is also the output head (no `output.weight`).
+        // an embedding table only where it is also the output head (no `output.weight`). With a
+        // pack file the copies come from it instead, and move to huge pages in the background.
         let lookup_only =
             src.name == "token_embd.weight" && src.file.tensor("output.weight").is_some();
+        let pf = self.pack_file.as_deref();
+        let reading = pf.is_some_and(|pf| pf.reading());
         if !lookup_only {
             // Q4_K: every matmul reads the x8 copy. Q6_K: decode and the prefill GEMM read the x4
             // copy; the file's pages come back only for a row-invariant verify, a prompt under
@@ -450,19 +504,43 @@ impl Backend for CpuBackend {
             // x16 copy, prefill and embedding lookups the file's pages. Other types: a plain copy
             // on huge pages, which every read then uses (Gemma-3 270M decode, Q8_0/Q5_0: 80 -> 90
             // t/s).
-            if w.packed_q4k(&self.pool).is_some()
-                || w.packed_q6k(&self.pool).is_some()
-                || w.packed_q8_0(&self.pool).is_some()
+            let keep = |_: &[u8]| match (pf, &self.deferred) {
+                (Some(_), Some(d)) if w.copies.mapped.is_some() => d.packed(Arc::clone(&w.copies)),
+                (Some(pf), _) => pf.record(w.index, w.offset, Arc::clone(&w.copies)),
+                _ => {}
+            };
+            if let Some(p) = w
+                .packed_q4k(&self.pool)
+                .or_else(|| w.packed_q6k(&self.pool))
+                .or_else(|| w.packed_q8_0(&self.pool))
             {
+                keep(p);
                 w.file.release(w.bytes());
+            } else if let Some(d) = self.deferred.as_ref().filter(|_| reading) {
+                // Reading a pack file: Q5_0's x16 copy from it (or packed now from the file's
+                // bytes, the same as the plain copy's), the plain copy in the background. Without
+                // one the plain copy is made now: for a model that packs little (Gemma-3 on AVX2)
+                // deferring it was slower to the first token, 0.40 s against 0.32.
+                if let Some(p) = w.packed_q5_0(&self.pool) {
+                    keep(p);
+                }
+                d.resident(
+                    Arc::clone(&w.copies),
+                    Arc::clone(&w.file),
+                    w.index,
+                    w.offset,
+                    w.bytes().len(),
+                );
             } else {
                 let copy = self
                     .arena
                     .alloc(w.bytes().len(), |out| out.copy_from_slice(w.bytes()));
                 w.file.release(w.bytes());
-                w.resident = Some(copy);
+                let _ = w.copies.resident.set(copy);
                 // Q5_0 decode reads an x16 copy besides (from the plain one).
-                w.packed_q5_0(&self.pool);
+                if let Some(p) = w.packed_q5_0(&self.pool) {
+                    keep(p);
+                }
             }
         }
         Ok(w)

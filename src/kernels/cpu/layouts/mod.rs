@@ -8,11 +8,13 @@
 //! - `q6_k_x16`, `q5_0_x16`, `q8_0_x16`: sixteen-row units for the AVX-512 decode kernels; what
 //!   they share lives in `x16`.
 //! - `q6_k_x4`: Q6_K in groups of four rows for the AVX2 decode kernel.
+//! - `pack_file`: the copies kept on disk between runs, so that a start needs no repacking.
 //! - `prefetch`: whether these kernels prefetch their stream in software on this CPU.
 //!
 //! Invariant: every packed kernel is bit-identical to the per-row kernel of its type in `simd` (and
 //! so to the scalar reference's arithmetic as documented there); each folder's tests hold it.
 
+pub mod pack_file;
 pub mod prefetch;
 pub mod q4_k_x8;
 pub mod q5_0_x16;

@@ -162,8 +162,12 @@ fn matmul_quantized(
             .map_or((w.bytes(), Layout::File), |p| (p, w.q6k_layout()));
         let done = q6_k_panels::matmul(pool, src, layout, rows, cols, xq, n, &mut out.data);
         matmul_rows(pool, w, xq, a_bytes, n, done, out, false);
+        if done < rows {
+            w.release_file_pages();
+        }
     } else {
         matmul_rows(pool, w, xq, a_bytes, n, 0, out, invariant);
+        w.release_file_pages();
     }
 }
 
