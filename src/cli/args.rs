@@ -6,6 +6,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::cli::UsageError;
 use infer::engine::sampler::SamplerConfig;
+use infer::model::backend::CacheType;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -171,9 +172,27 @@ pub struct ModelArgs {
     /// Threads for computation (default: the number of physical cores)
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
+    /// KV cache type of the keys: f16, q8_0 or q4_0 (llama.cpp's names; quantized types run on
+    /// the CPU)
+    #[arg(long, value_name = "TYPE", default_value = "f16", value_parser = cache_type)]
+    pub cache_type_k: CacheType,
+    /// KV cache type of the values: f16, q8_0 or q4_0
+    #[arg(long, value_name = "TYPE", default_value = "f16", value_parser = cache_type)]
+    pub cache_type_v: CacheType,
     /// The global `--device` and `--gpu-layers`, copied here before the subcommand runs.
     #[arg(skip)]
     pub device: DeviceFlags,
+}
+
+/// A `--cache-type-k`/`--cache-type-v` value.
+fn cache_type(s: &str) -> Result<CacheType, String> {
+    CacheType::parse(s).ok_or_else(|| {
+        let names: Vec<&str> = CacheType::ALL.iter().map(|t| t.name()).collect();
+        format!(
+            "unknown KV cache type {s:?}; use one of {}",
+            names.join(", ")
+        )
+    })
 }
 
 /// `--device` (`None`: not given) and `--gpu-layers`, as the loader takes them.
