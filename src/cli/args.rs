@@ -443,9 +443,27 @@ pub struct BenchArgs {
     /// bandwidth per token
     #[arg(long, conflicts_with = "concurrency")]
     pub profile: bool,
+    /// Time each of these KV cache types in the same run, one after another in every
+    /// repetition: comma-separated, each `T` (keys and values) or `K/V`, e.g. `f16,q8_0`
+    #[arg(
+        long,
+        value_name = "T,..",
+        value_delimiter = ',',
+        value_parser = kv_pair,
+        conflicts_with_all = ["concurrency", "cache_type_k", "cache_type_v"]
+    )]
+    pub kv_types: Vec<(CacheType, CacheType)>,
     /// One JSON object on stdout instead of the table
     #[arg(long)]
     pub json: bool,
+}
+
+/// A `--kv-types` entry: `T` for keys and values, or `K/V`.
+fn kv_pair(s: &str) -> Result<(CacheType, CacheType), String> {
+    match s.split_once('/') {
+        Some((k, v)) => Ok((cache_type(k)?, cache_type(v)?)),
+        None => cache_type(s).map(|t| (t, t)),
+    }
 }
 
 /// Speculative decoding flags of `run`.

@@ -753,11 +753,13 @@ impl Backend for CpuBackend {
             let bs = kv.block_size;
             return f32_cache::attention(&self.pool, q, kv32, layer, bs, queries, shape, out);
         }
+        let invariant = self.row_invariant.load(Ordering::Relaxed);
         if let Some(kq) = &kv.quant {
             let (bs, isa) = (kv.block_size, quant_cache::Isa::current());
-            return quant_cache::attention(&self.pool, q, kq, layer, bs, queries, shape, out, isa);
+            return quant_cache::attention(
+                &self.pool, q, kq, layer, bs, queries, shape, out, isa, invariant,
+            );
         }
-        let invariant = self.row_invariant.load(Ordering::Relaxed);
         attention::attention(&self.pool, q, kv, layer, queries, shape, out, invariant);
     }
 

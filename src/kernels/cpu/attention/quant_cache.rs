@@ -16,10 +16,11 @@
 //!
 //! Every kernel has an AVX2 version and a scalar twin with the same arithmetic; the tests hold
 //! them equal bit for bit and hold the whole attention to an f64 softmax over the dequantized
-//! cache. The arithmetic of a row does not depend on the batch (one kernel for prefill and decode),
-//! so the backend's row-invariant mode holds without a special path. A unit of work is one query
-//! row and a part of a GQA group (the heads that share a KV head), so each thread reads a key or
-//! value row once for the part's heads.
+//! cache. The arithmetic of a row does not depend on the batch (one kernel for prefill and decode)
+//! except for how a row's positions are split between threads, which the row-invariant mode fixes
+//! to a one-row call's. A unit of work is one query row and one KV head with all the query heads
+//! that read it (each key and value row is read once for them), or a part of its positions where
+//! there are fewer such pairs than threads (a decode step; the parts are merged by their maxima).
 
 use half::f16;
 
@@ -34,8 +35,6 @@ use crate::quant::quantize::{quantize_row_f16, quantize_row_q4_0, quantize_row_q
 pub const QK: usize = 32;
 /// Bytes of a query head's Q8_0 block.
 const Q8_BYTES: usize = 34;
-/// Most query heads one unit runs (a GQA group is cut into parts of at most this many).
-const MAX_HEADS: usize = 8;
 
 /// The K/V storage: per layer, `slots` rows of `kv_dim` values for K and V, each in its type.
 pub struct KvQuant {
@@ -213,6 +212,7 @@ pub fn key_dot_scalar(ty: CacheType, nb: usize, k: &[u8], q: &[u8]) -> f32 {
 /// AVX2, FMA and F16C are available; `k` holds `nb` blocks of `ty` and `q` `nb` Q8_0 blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
 pub unsafe fn key_dot_avx2(ty: CacheType, nb: usize, k: &[u8], q: &[u8]) -> f32 {
     use std::arch::x86_64::*;
     let kb = ty.row_bytes(QK);
@@ -242,6 +242,27 @@ pub unsafe fn key_dot_avx2(ty: CacheType, nb: usize, k: &[u8], q: &[u8]) -> f32 
     let mut out = [0f32; 8];
     _mm256_storeu_ps(out.as_mut_ptr(), acc);
     hsum8(&out)
+}
+
+/// The scores of one key head row `k` with `out.len()` Q8_0 query rows (`q`, one after another,
+/// `nb` blocks each): `out[j] =` [`key_dot_scalar`] of row `j`.
+pub fn key_dots_scalar(ty: CacheType, nb: usize, k: &[u8], q: &[u8], out: &mut [f32]) {
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = key_dot_scalar(ty, nb, k, &q[j * nb * Q8_BYTES..]);
+    }
+}
+
+/// [`key_dots_scalar`] with AVX2 ([`key_dot_avx2`] per row; the key row stays in L1).
+///
+/// # Safety
+/// As [`key_dot_avx2`], with `q` holding `out.len()` rows of `nb` Q8_0 blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn key_dots_avx2(ty: CacheType, nb: usize, k: &[u8], q: &[u8], out: &mut [f32]) {
+    assert!(q.len() >= out.len() * nb * Q8_BYTES);
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = key_dot_avx2(ty, nb, k, &q[j * nb * Q8_BYTES..]);
+    }
 }
 
 /// The value of element `i` of a V block of `ty` (F16 "blocks" are 32 plain values, scale 1).
@@ -340,26 +361,36 @@ pub unsafe fn accumulate_v_avx2(ty: CacheType, hd: usize, v: &[u8], w: &[f32], a
     }
 }
 
-/// The score of one key head row (f16 or quantized) with query head `j`: `q8` is the query's Q8_0
-/// row (quantized keys), `qf` its f32 row (f16 keys).
+/// The scores of one key head row (f16 or quantized) with the unit's query heads: `q8` holds
+/// their Q8_0 rows (quantized keys), `qf(j)` is head `j`'s f32 row (f16 keys).
 #[inline(always)]
-fn key_score(isa: Isa, ty: CacheType, hd: usize, k: &[u8], q8: &[u8], qf: &[f32]) -> f32 {
+fn key_scores<'q>(
+    isa: Isa,
+    ty: CacheType,
+    hd: usize,
+    k: &[u8],
+    q8: &[u8],
+    qf: impl Fn(usize) -> &'q [f32],
+    out: &mut [f32],
+) {
     match ty {
         CacheType::F16 => {
-            let mut acc = [0f32; 8];
-            for (kc, qc) in k.chunks_exact(16).zip(qf.chunks_exact(8)) {
-                for l in 0..8 {
-                    acc[l] = f16_at(kc, 2 * l).mul_add(qc[l], acc[l]);
+            for (j, o) in out.iter_mut().enumerate() {
+                let mut acc = [0f32; 8];
+                for (kc, qc) in k.chunks_exact(16).zip(qf(j).chunks_exact(8)) {
+                    for l in 0..8 {
+                        acc[l] = f16_at(kc, 2 * l).mul_add(qc[l], acc[l]);
+                    }
                 }
+                *o = hsum8(&acc);
             }
-            hsum8(&acc)
         }
         _ => match isa {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Isa::Avx2` is only chosen where AVX2, FMA and F16C were detected; the
-            // rows hold `hd / 32` blocks (sliced by the caller).
-            Isa::Avx2 => unsafe { key_dot_avx2(ty, hd / QK, k, q8) },
-            _ => key_dot_scalar(ty, hd / QK, k, q8),
+            // SAFETY: `Isa::Avx2` is only chosen where AVX2, FMA and F16C were detected; `k` is
+            // one head row of `hd / 32` blocks and `q8` holds `out.len()` such Q8_0 rows.
+            Isa::Avx2 => unsafe { key_dots_avx2(ty, hd / QK, k, q8, out) },
+            _ => key_dots_scalar(ty, hd / QK, k, q8, out),
         },
     }
 }
@@ -375,21 +406,102 @@ fn accumulate_v(isa: Isa, ty: CacheType, hd: usize, v: &[u8], w: &[f32], acc: &m
     }
 }
 
-/// Per-thread buffers of one unit.
+/// Per-thread buffers of one unit, kept between calls (a decode step attends once per layer).
 #[derive(Default)]
 struct Scratch {
     /// The unit's query heads quantized to Q8_0, one row after another.
     q8: Vec<u8>,
-    /// Scores, then softmax weights: `[head][position]`.
+    /// Scores, then softmax weights: `[position][head]`.
     s: Vec<f32>,
+    /// Per head: the part's maximum score, then its sum of weights.
+    m: Vec<f32>,
+    sum: Vec<f32>,
     /// The V accumulators `[head][hd]`.
     acc: Vec<f32>,
-    /// One position's weights, one per head.
-    w: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// Positions of a unit when a query's keys are split between threads: fewer are not worth a
+/// unit of their own.
+const MIN_SPLIT: usize = 64;
+
+/// What a query row and a KV head's heads attend over.
+struct Job<'a> {
+    kv: &'a KvQuant,
+    layer: usize,
+    block_size: usize,
+    shape: AttnShape,
+    isa: Isa,
+}
+
+impl Job<'_> {
+    /// Heads `g * group..(g + 1) * group` of query row `qrow` (`qa`) over positions `a..=b`
+    /// (non-empty): each head's maximum score, sum of weights and unnormalised V sum in `s`.
+    fn part(
+        &self,
+        qrow: &[f32],
+        qa: &AttnQuery<'_>,
+        g: usize,
+        a: usize,
+        b: usize,
+        s: &mut Scratch,
+    ) {
+        let (kv, isa) = (self.kv, self.isa);
+        let hd = self.shape.head_dim;
+        let nh = self.shape.n_head / self.shape.n_head_kv;
+        let h0 = g * nh;
+        let qh = |j: usize| &qrow[(h0 + j) * hd..(h0 + j + 1) * hd];
+        let row_q8 = hd / QK * Q8_BYTES;
+        if kv.k_type.is_quantized() {
+            s.q8.resize(nh * row_q8, 0);
+            for (j, dst) in s.q8.chunks_exact_mut(row_q8).enumerate() {
+                quantize_row_q8_0(qh(j), dst);
+            }
+        }
+        let (kp, vp) = (&kv.k[self.layer][..], &kv.v[self.layer][..]);
+        let (kb, vb) = (kv.k_type.row_bytes(hd), kv.v_type.row_bytes(hd));
+        let bs = self.block_size;
+        let slot = |p: usize| qa.block_table[p / bs] as usize * bs + p % bs;
+        let n = b + 1 - a;
+        s.s.resize(n * nh, 0.0);
+        for (p, sc) in (a..=b).zip(s.s.chunks_exact_mut(nh)) {
+            let k = &kp[slot(p) * kv.k_row + g * kb..][..kb];
+            key_scores(isa, kv.k_type, hd, k, &s.q8, qh, sc);
+        }
+        s.m.clear();
+        s.m.resize(nh, f32::NEG_INFINITY);
+        for sc in s.s.chunks_exact_mut(nh) {
+            for (x, m) in sc.iter_mut().zip(s.m.iter_mut()) {
+                *x *= self.shape.scale;
+                *m = m.max(*x);
+            }
+        }
+        s.sum.clear();
+        s.sum.resize(nh, 0.0);
+        for sc in s.s.chunks_exact_mut(nh) {
+            for ((x, &m), sum) in sc.iter_mut().zip(&s.m).zip(s.sum.iter_mut()) {
+                *x = (*x - m).exp();
+                *sum += *x;
+            }
+        }
+        s.acc.clear();
+        s.acc.resize(nh * hd, 0.0);
+        for (p, w) in (a..=b).zip(s.s.chunks_exact(nh)) {
+            let v = &vp[slot(p) * kv.v_row + g * vb..][..vb];
+            accumulate_v(isa, kv.v_type, hd, v, w, &mut s.acc);
+        }
+    }
 }
 
 /// Causal attention of each query row of `q` (rows × n_head·head_dim) over the cached keys and
-/// values of `layer`, written to `out` (same shape), with the kernels `isa` selects.
+/// values of `layer`, written to `out` (same shape), with the kernels `isa` selects. A unit is one
+/// query row and one KV head (all the query heads that read it); where there are fewer such pairs
+/// than threads (a decode step), each pair's positions are split into parts computed apart and
+/// merged as flash attention merges (rescaled by the parts' maxima). With `invariant`, each row is
+/// split as a one-row call would split it, so its result does not depend on the batch.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
@@ -401,90 +513,121 @@ pub fn attention(
     shape: AttnShape,
     out: &mut CpuAct,
     isa: Isa,
+    invariant: bool,
 ) {
     let hd = shape.head_dim;
     assert!(hd.is_multiple_of(QK), "head width {hd} is not whole blocks");
-    let group = shape.n_head / shape.n_head_kv;
-    // Cut each GQA group into parts so there are work units for every thread.
-    let units_wanted = 2 * pool.n_threads();
-    let base_units = (queries.len() * shape.n_head_kv).max(1);
-    let parts = units_wanted
-        .div_ceil(base_units)
-        .max(group.div_ceil(MAX_HEADS))
-        .min(group);
-    let per_part = group.div_ceil(parts);
-    let parts = group.div_ceil(per_part);
-    let units = queries.len() * shape.n_head_kv * parts;
-    let (kp, vp) = (&kv.k[layer][..], &kv.v[layer][..]);
-    let (kb, vb) = (kv.k_type.row_bytes(hd), kv.v_type.row_bytes(hd));
+    let (n_kv, group) = (shape.n_head_kv, shape.n_head / shape.n_head_kv);
+    let threads = pool.n_threads();
+    let rows = if invariant { 1 } else { queries.len() };
+    // How many parts a row's positions are cut into.
+    let parts_of = |qa: &AttnQuery<'_>| {
+        if rows * n_kv >= threads {
+            return 1;
+        }
+        let n = (qa.pos + 1 - qa.lo) as usize;
+        (2 * threads)
+            .div_ceil(rows * n_kv)
+            .min(n.div_ceil(MIN_SPLIT))
+            .max(1)
+    };
+    let parts: Vec<usize> = queries.iter().map(parts_of).collect();
+    // Row i's units are first[i]..first[i + 1]: KV head by KV head, part by part.
+    let mut first = Vec::with_capacity(queries.len() + 1);
+    first.push(0);
+    for &p in &parts {
+        first.push(first.last().copied().unwrap_or(0) + n_kv * p);
+    }
+    let units = first[queries.len()];
+    let split = parts.iter().any(|&p| p > 1);
+    let job = Job {
+        kv,
+        layer,
+        block_size,
+        shape,
+        isa,
+    };
     let out_cols = out.cols;
     let dst = SharedMut(out.data.as_mut_ptr());
+    // For split rows: per unit and head, the maximum, the sum and the V sum.
+    let stride = hd + 2;
+    let mut partial = vec![0f32; if split { units * group * stride } else { 0 }];
+    let pdst = SharedMut(partial.as_mut_ptr());
     pool.for_range(units, 1, |range| {
-        let mut s = Scratch::default();
-        for unit in range {
-            let i = unit / (shape.n_head_kv * parts);
-            let g = unit / parts % shape.n_head_kv;
-            let part = unit % parts;
-            let h0 = g * group + part * per_part;
-            let h1 = (h0 + per_part).min((g + 1) * group);
-            let nh = h1 - h0;
-            let qa = &queries[i];
-            let (lo, pos) = (qa.lo as usize, qa.pos as usize);
-            let n = pos + 1 - lo;
-            let qrow = q.row(i);
-            let qh = |j: usize| &qrow[(h0 + j) * hd..(h0 + j + 1) * hd];
-            if kv.k_type.is_quantized() {
-                s.q8.resize(nh * hd / QK * Q8_BYTES, 0);
-                for (j, dst) in s.q8.chunks_exact_mut(hd / QK * Q8_BYTES).enumerate() {
-                    quantize_row_q8_0(qh(j), dst);
+        SCRATCH.with_borrow_mut(|s| {
+            for unit in range {
+                let i = first.partition_point(|&f| f <= unit) - 1;
+                let (np, qa) = (parts[i], &queries[i]);
+                let (g, c) = ((unit - first[i]) / np, (unit - first[i]) % np);
+                // Part c of the positions lo..=pos (empty when there are fewer positions).
+                let (lo, pos) = (qa.lo as usize, qa.pos as usize);
+                let len = (pos + 1 - lo).div_ceil(np);
+                let a = lo + c * len;
+                if a > pos {
+                    for j in 0..group {
+                        // SAFETY: unit < units, so its `group * stride` values lie inside
+                        // `partial` (only split rows have empty parts); each unit is run once, by
+                        // one thread, and the pool joins before `partial` is read.
+                        unsafe { *pdst.ptr().add((unit * group + j) * stride) = f32::NEG_INFINITY };
+                    }
+                    continue;
+                }
+                job.part(q.row(i), qa, g, a, pos.min(a + len - 1), s);
+                for j in 0..group {
+                    let acc = &s.acc[j * hd..(j + 1) * hd];
+                    if np > 1 {
+                        // SAFETY: as above: this unit's own values of `partial`.
+                        let p = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                pdst.ptr().add((unit * group + j) * stride),
+                                stride,
+                            )
+                        };
+                        p[0] = s.m[j];
+                        p[1] = s.sum[j];
+                        p[2..].copy_from_slice(acc);
+                        continue;
+                    }
+                    let inv = if s.sum[j] == 0.0 { 0.0 } else { 1.0 / s.sum[j] };
+                    let h = g * group + j;
+                    // SAFETY: i < out.rows and h < n_head, so the slice lies inside `out`; each
+                    // (row, head) belongs to exactly one unit, run once, so the slices written by
+                    // the pool's threads are disjoint, and the pool joins before `out` is read.
+                    let o = unsafe {
+                        std::slice::from_raw_parts_mut(dst.ptr().add(i * out_cols + h * hd), hd)
+                    };
+                    for (o, &x) in o.iter_mut().zip(acc) {
+                        *o = x * inv;
+                    }
                 }
             }
-            let slot =
-                |p: usize| qa.block_table[p / block_size] as usize * block_size + p % block_size;
-            s.s.resize(nh * n, 0.0);
-            for p in lo..=pos {
-                let sl = slot(p);
-                let k = &kp[sl * kv.k_row + g * kb..][..kb];
-                for j in 0..nh {
-                    let q8 = s.q8.get(j * hd / QK * Q8_BYTES..).unwrap_or(&[]);
-                    s.s[j * n + p - lo] = key_score(isa, kv.k_type, hd, k, q8, qh(j)) * shape.scale;
-                }
-            }
-            let mut sums = [0f32; MAX_HEADS];
-            for (j, row) in s.s.chunks_exact_mut(n).enumerate() {
-                let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for x in row.iter_mut() {
-                    *x = (*x - m).exp();
-                    sum += *x;
-                }
-                sums[j] = sum;
-            }
-            s.acc.clear();
-            s.acc.resize(nh * hd, 0.0);
-            s.w.resize(nh, 0.0);
-            for p in lo..=pos {
-                let sl = slot(p);
-                let v = &vp[sl * kv.v_row + g * vb..][..vb];
-                for j in 0..nh {
-                    s.w[j] = s.s[j * n + p - lo];
-                }
-                accumulate_v(isa, kv.v_type, hd, v, &s.w, &mut s.acc);
-            }
-            for j in 0..nh {
-                let inv = if sums[j] == 0.0 { 0.0 } else { 1.0 / sums[j] };
-                // SAFETY: i < out.rows and h0 + j < n_head, so the slice lies inside `out`; each
-                // (row, head) belongs to exactly one unit, run once, so the slices written by the
-                // pool's threads are disjoint, and the pool joins before `out` is read.
-                let o = unsafe {
-                    std::slice::from_raw_parts_mut(dst.ptr().add(i * out_cols + (h0 + j) * hd), hd)
-                };
-                for (o, &a) in o.iter_mut().zip(&s.acc[j * hd..(j + 1) * hd]) {
-                    *o = a * inv;
-                }
-            }
-        }
+        })
     });
+    for (i, &np) in parts.iter().enumerate().filter(|(_, &p)| p > 1) {
+        for h in 0..shape.n_head {
+            let (g, j) = (h / group, h % group);
+            let at = |c: usize| ((first[i] + g * np + c) * group + j) * stride;
+            let m = (0..np)
+                .map(|c| partial[at(c)])
+                .fold(f32::NEG_INFINITY, f32::max);
+            let o = &mut out.data[i * out_cols + h * hd..i * out_cols + (h + 1) * hd];
+            o.iter_mut().for_each(|x| *x = 0.0);
+            let mut sum = 0f32;
+            for c in 0..np {
+                let p = &partial[at(c)..at(c) + stride];
+                if p[0] == f32::NEG_INFINITY {
+                    continue;
+                }
+                let f = (p[0] - m).exp();
+                sum += p[1] * f;
+                for (o, &x) in o.iter_mut().zip(&p[2..]) {
+                    *o += x * f;
+                }
+            }
+            let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+            o.iter_mut().for_each(|x| *x *= inv);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -643,7 +786,33 @@ mod tests {
                             rows: q.rows,
                             cols: q.cols,
                         };
-                        attention(&pool, &q, &kv, 0, bs, &queries, shape, &mut out, isa);
+                        attention(&pool, &q, &kv, 0, bs, &queries, shape, &mut out, isa, false);
+                        // Each row alone (a decode step: its positions split between threads)
+                        // and row-invariant: the same up to the split's rounding, and exactly.
+                        let mut inv = CpuAct {
+                            data: vec![0.0; q.data.len()],
+                            rows: q.rows,
+                            cols: q.cols,
+                        };
+                        attention(&pool, &q, &kv, 0, bs, &queries, shape, &mut inv, isa, true);
+                        for (i, qa) in queries.iter().enumerate() {
+                            let one = CpuAct {
+                                data: q.row(i).to_vec(),
+                                rows: 1,
+                                cols: q.cols,
+                            };
+                            let mut o1 = CpuAct {
+                                data: vec![0.0; q.cols],
+                                rows: 1,
+                                cols: q.cols,
+                            };
+                            let qs = [*qa];
+                            attention(&pool, &one, &kv, 0, bs, &qs, shape, &mut o1, isa, false);
+                            assert_eq!(o1.data, inv.row(i), "{kt:?}/{vt:?} row {i}: not invariant");
+                            for (x, y) in o1.data.iter().zip(out.row(i)) {
+                                assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{x} {y}");
+                            }
+                        }
                         got.push(out.data);
                     }
                     if got.len() == 2 {
