@@ -6,6 +6,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::cli::UsageError;
 use infer::engine::sampler::SamplerConfig;
+use infer::model::backend::CacheType;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -192,9 +193,27 @@ pub struct ModelArgs {
     /// Threads for computation (default: the number of physical cores)
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
+    /// KV cache type of the keys: f16, q8_0 or q4_0 (llama.cpp's names; quantized types run on
+    /// the CPU)
+    #[arg(long, value_name = "TYPE", default_value = "f16", value_parser = cache_type)]
+    pub cache_type_k: CacheType,
+    /// KV cache type of the values: f16, q8_0 or q4_0
+    #[arg(long, value_name = "TYPE", default_value = "f16", value_parser = cache_type)]
+    pub cache_type_v: CacheType,
     /// The global `--device` and `--gpu-layers`, copied here before the subcommand runs.
     #[arg(skip)]
     pub device: DeviceFlags,
+}
+
+/// A `--cache-type-k`/`--cache-type-v` value.
+fn cache_type(s: &str) -> Result<CacheType, String> {
+    CacheType::parse(s).ok_or_else(|| {
+        let names: Vec<&str> = CacheType::ALL.iter().map(|t| t.name()).collect();
+        format!(
+            "unknown KV cache type {s:?}; use one of {}",
+            names.join(", ")
+        )
+    })
 }
 
 /// `--device` (`None`: not given) and `--gpu-layers`, as the loader takes them.
@@ -451,11 +470,29 @@ pub struct BenchArgs {
     pub profile: bool,
     /// Measure structured output's cost: decode with and without this JSON schema (a file, or
     /// the schema itself) in the same run, and the mask time per token
-    #[arg(long, value_name = "FILE|JSON", conflicts_with_all = ["concurrency", "profile"])]
+    #[arg(long, value_name = "FILE|JSON", conflicts_with_all = ["concurrency", "profile", "kv_types"])]
     pub json_schema: Option<String>,
+    /// Time each of these KV cache types in the same run, one after another in every
+    /// repetition: comma-separated, each `T` (keys and values) or `K/V`, e.g. `f16,q8_0`
+    #[arg(
+        long,
+        value_name = "T,..",
+        value_delimiter = ',',
+        value_parser = kv_pair,
+        conflicts_with_all = ["concurrency", "cache_type_k", "cache_type_v"]
+    )]
+    pub kv_types: Vec<(CacheType, CacheType)>,
     /// One JSON object on stdout instead of the table
     #[arg(long)]
     pub json: bool,
+}
+
+/// A `--kv-types` entry: `T` for keys and values, or `K/V`.
+fn kv_pair(s: &str) -> Result<(CacheType, CacheType), String> {
+    match s.split_once('/') {
+        Some((k, v)) => Ok((cache_type(k)?, cache_type(v)?)),
+        None => cache_type(s).map(|t| (t, t)),
+    }
 }
 
 /// Speculative decoding flags of `run`.

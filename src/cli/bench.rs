@@ -13,11 +13,13 @@ use serde_json::json;
 use crate::cli::args::BenchArgs;
 use crate::cli::load::load;
 use crate::cli::{note, UsageError};
+use infer::engine::load::{cache_type, LoadOptions};
 use infer::engine::runner::Sequence;
 use infer::kernels::cpu::memory::bandwidth::BandwidthBuffer;
 use infer::kernels::cuda::launch::DevBuf;
 use infer::kernels::cuda::profile::{summarize, KernelProfile};
 use infer::kernels::device::DeviceBackend;
+use infer::model::backend::KvType;
 use infer::model::weights::bytes_per_token;
 use infer::model::Backend;
 
@@ -36,6 +38,24 @@ impl Tokens {
 struct Summary {
     name: String,
     runs: Vec<f64>,
+}
+
+/// One KV cache type's tests.
+struct Timed {
+    kv: KvType,
+    pp: Summary,
+    tg: Summary,
+    /// Per tg repetition: tokens/s × bytes per token ÷ the bandwidth around it.
+    efficiency: Summary,
+    /// KV bytes a generated token reads, and the cache's bytes per position.
+    kv_bpt: f64,
+    kv_pos: u64,
+}
+
+impl Timed {
+    fn eff(&self) -> Option<f64> {
+        (!self.efficiency.runs.is_empty()).then(|| self.efficiency.median())
+    }
 }
 
 impl Summary {
@@ -94,12 +114,29 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let vocab = runner.vocab_size();
     let weight_bytes = bytes_per_token(&loaded.gguf);
     let bpt = weight_bytes as f64;
-    // A generated token also reads the KV cache: at the mean over a repetition's positions.
-    let kv_bpt = (a.depth..a.depth + a.n_gen)
-        .map(|p| runner.model.cfg.kv_read_bytes(p) as f64)
-        .sum::<f64>()
-        / a.n_gen.max(1) as f64;
+    // The KV cache types timed: each of --kv-types in every repetition, else the run's own.
+    let mut kv_types: Vec<KvType> = Vec::new();
+    for &(k, v) in &a.kv_types {
+        let opts = LoadOptions {
+            cache_type_k: k,
+            cache_type_v: v,
+            ..LoadOptions::default()
+        };
+        let t = cache_type(&runner.model.cfg, &opts)?;
+        if !kv_types.contains(&t) {
+            kv_types.push(t);
+        }
+    }
+    if kv_types.is_empty() {
+        kv_types.push(runner.model.cfg.kv_type);
+    }
     let model_bytes = loaded.gguf.file_size();
+    // What the cache stores per position with f16 (each type's own is in its `Timed`).
+    let kv_pos_f16 = {
+        let cfg = &runner.model.cfg;
+        let (k, v) = KvType::F16.row_bytes(cfg.kv_dim());
+        (cfg.n_layer * (k + v)) as u64
+    };
     let mut rng = Tokens(0x9E37_79B9_7F4A_7C15);
     let backend = runner.model.backend.name();
     // All on the GPU: the roofline is the device's memory (read + write of a 1 GiB buffer);
@@ -121,11 +158,6 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         name: "bandwidth".into(),
         runs: Vec::new(),
     };
-    // Per tg repetition: tokens/s × bytes per token ÷ the bandwidth around it.
-    let mut efficiency = Summary {
-        name: "decode efficiency".into(),
-        runs: Vec::new(),
-    };
 
     // a fresh sequence at `depth`: prefill the depth tokens, return the sequence
     let fresh =
@@ -137,72 +169,108 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             }
             Ok(seq)
         };
-    // warm-up: a short prefill and two decode steps
-    {
-        let mut seq = fresh(&mut runner, &mut rng)?;
-        let toks: Vec<u32> = (0..4).map(|_| rng.next(vocab)).collect();
-        runner.extend(&mut seq, &toks)?;
-        runner.extend(&mut seq, &[rng.next(vocab)])?;
-        drop(seq);
-    }
     let depth_tag = if a.depth > 0 {
         format!(" @ d{}", a.depth)
     } else {
         String::new()
     };
-    let mut pp = Summary {
-        name: format!("pp{}{depth_tag}", n_prompt),
-        runs: Vec::new(),
+    let kv_tag = |t: KvType| {
+        if kv_types.len() > 1 {
+            format!(" kv {}", t.name())
+        } else {
+            String::new()
+        }
     };
-    let mut tg = Summary {
-        name: format!("tg{}{depth_tag}", a.n_gen),
-        runs: Vec::new(),
-    };
+    let mut timed: Vec<Timed> = Vec::new();
+    for &t in &kv_types {
+        runner.set_kv_type(t)?;
+        // warm-up: a short prefill and two decode steps
+        let mut seq = fresh(&mut runner, &mut rng)?;
+        let toks: Vec<u32> = (0..4).map(|_| rng.next(vocab)).collect();
+        runner.extend(&mut seq, &toks)?;
+        runner.extend(&mut seq, &[rng.next(vocab)])?;
+        drop(seq);
+        let cfg = &runner.model.cfg;
+        timed.push(Timed {
+            kv: t,
+            pp: Summary {
+                name: format!("pp{}{depth_tag}{}", n_prompt, kv_tag(t)),
+                runs: Vec::new(),
+            },
+            tg: Summary {
+                name: format!("tg{}{depth_tag}{}", a.n_gen, kv_tag(t)),
+                runs: Vec::new(),
+            },
+            efficiency: Summary {
+                name: "decode efficiency".into(),
+                runs: Vec::new(),
+            },
+            // A generated token also reads the KV cache: at the mean over a repetition's
+            // positions.
+            kv_bpt: (a.depth..a.depth + a.n_gen)
+                .map(|p| cfg.kv_read_bytes(p) as f64)
+                .sum::<f64>()
+                / a.n_gen.max(1) as f64,
+            kv_pos: cfg.kv_bytes_per_position(),
+        });
+    }
     let progress = !a.json && crate::cli::progress::enabled();
     for rep in 0..a.reps {
-        if n_prompt > 0 {
-            let mut seq = fresh(&mut runner, &mut rng)?;
-            let toks: Vec<u32> = (0..n_prompt).map(|_| rng.next(vocab)).collect();
-            let t0 = Instant::now();
-            runner.extend(&mut seq, &toks)?;
-            pp.runs.push(n_prompt as f64 / t0.elapsed().as_secs_f64());
-            drop(seq);
-        }
-        let mut before = measure_bandwidth(&runner)?;
-        bandwidth.runs.push(before);
-        if a.n_gen > 0 {
-            // Decoded in stretches of `READ_EVERY` tokens with a bandwidth read after each, held
-            // against the reads around it (`rep_efficiency`): the machine's bandwidth can move
-            // within a repetition (a shared VM's switched states within seconds), and two reads
-            // around a whole repetition would hold all of it against those two moments.
-            let mut seq = fresh(&mut runner, &mut rng)?;
-            let mut stretches = Vec::new();
-            let mut left = a.n_gen;
-            while left > 0 {
-                let tokens = left.min(READ_EVERY);
+        for Timed {
+            kv,
+            pp,
+            tg,
+            efficiency,
+            kv_bpt,
+            ..
+        } in timed.iter_mut()
+        {
+            runner.set_kv_type(*kv)?;
+            let kv_bpt = *kv_bpt;
+            if n_prompt > 0 {
+                let mut seq = fresh(&mut runner, &mut rng)?;
+                let toks: Vec<u32> = (0..n_prompt).map(|_| rng.next(vocab)).collect();
                 let t0 = Instant::now();
-                for _ in 0..tokens {
-                    // As a generation loop does: the step's logits go back once they are used.
-                    let logits = runner.extend(&mut seq, &[rng.next(vocab)])?;
-                    runner.recycle(logits);
-                }
-                let secs = t0.elapsed().as_secs_f64();
-                let after = measure_bandwidth(&runner)?;
-                bandwidth.runs.push(after);
-                stretches.push(Stretch {
-                    tokens,
-                    secs,
-                    gbs: (before + after) / 2.0,
-                });
-                before = after;
-                left -= tokens;
+                runner.extend(&mut seq, &toks)?;
+                pp.runs.push(n_prompt as f64 / t0.elapsed().as_secs_f64());
+                drop(seq);
             }
-            drop(seq);
-            let secs: f64 = stretches.iter().map(|s| s.secs).sum();
-            tg.runs.push(a.n_gen as f64 / secs);
-            efficiency
-                .runs
-                .push(rep_efficiency(&stretches, (bpt + kv_bpt) / 1e9));
+            let mut before = measure_bandwidth(&runner)?;
+            bandwidth.runs.push(before);
+            if a.n_gen > 0 {
+                // Decoded in stretches of `READ_EVERY` tokens with a bandwidth read after each, held
+                // against the reads around it (`rep_efficiency`): the machine's bandwidth can move
+                // within a repetition (a shared VM's switched states within seconds), and two reads
+                // around a whole repetition would hold all of it against those two moments.
+                let mut seq = fresh(&mut runner, &mut rng)?;
+                let mut stretches = Vec::new();
+                let mut left = a.n_gen;
+                while left > 0 {
+                    let tokens = left.min(READ_EVERY);
+                    let t0 = Instant::now();
+                    for _ in 0..tokens {
+                        // As a generation loop does: the step's logits go back once they are used.
+                        let logits = runner.extend(&mut seq, &[rng.next(vocab)])?;
+                        runner.recycle(logits);
+                    }
+                    let secs = t0.elapsed().as_secs_f64();
+                    let after = measure_bandwidth(&runner)?;
+                    bandwidth.runs.push(after);
+                    stretches.push(Stretch {
+                        tokens,
+                        secs,
+                        gbs: (before + after) / 2.0,
+                    });
+                    before = after;
+                    left -= tokens;
+                }
+                drop(seq);
+                let secs: f64 = stretches.iter().map(|s| s.secs).sum();
+                tg.runs.push(a.n_gen as f64 / secs);
+                efficiency
+                    .runs
+                    .push(rep_efficiency(&stretches, (bpt + kv_bpt) / 1e9));
+            }
         }
         if progress {
             eprint!("\rinfer: bench repetition {}/{}", rep + 1, a.reps);
@@ -228,23 +296,23 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         }
         _ => Vec::new(),
     };
-    let tests: Vec<&Summary> = [&pp, &tg]
-        .into_iter()
-        .filter(|s| !s.runs.is_empty())
+    let tests: Vec<(&Timed, &Summary)> = timed
+        .iter()
+        .flat_map(|t| [(t, &t.pp), (t, &t.tg)])
+        .filter(|(_, s)| !s.runs.is_empty())
         .collect();
     let bw = bandwidth.median();
     if let Some(n) = unsteady(&bandwidth.runs) {
         note!("{n}");
     }
-    let eff = (!efficiency.runs.is_empty()).then(|| efficiency.median());
     let name = a.model.model.display().to_string();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if a.json {
         let rows: Vec<_> = tests
             .iter()
-            .map(|s| {
-                json!({"test": s.name, "tps_median": s.median(), "tps_min": s.min(), "tps_max": s.max(), "runs": s.runs})
+            .map(|(t, s)| {
+                json!({"test": s.name, "kv_cache_type": t.kv.name(), "tps_median": s.median(), "tps_min": s.min(), "tps_max": s.max(), "runs": s.runs})
             })
             .collect();
         writeln!(
@@ -254,14 +322,23 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "model": name,
                 "model_bytes": model_bytes,
                 "bytes_per_token": weight_bytes,
-                "kv_bytes_per_token": kv_bpt.round() as u64,
+                "kv_bytes_per_token": timed[0].kv_bpt.round() as u64,
+                "kv_cache_type": timed[0].kv.name(),
+                "kv_cache_bytes_per_position": timed[0].kv_pos,
+                "kv_cache_bytes_per_position_f16": kv_pos_f16,
+                "kv_caches": timed.iter().map(|t| json!({
+                    "type": t.kv.name(),
+                    "bytes_per_position": t.kv_pos,
+                    "kv_bytes_per_token": t.kv_bpt.round() as u64,
+                    "decode_efficiency": t.eff(),
+                })).collect::<Vec<_>>(),
                 "threads": loaded.threads,
                 "backend": backend,
                 "reps": a.reps,
                 "tests": rows,
                 "bandwidth_gbs": {"median": bw, "min": bandwidth.min(), "max": bandwidth.max(), "runs": bandwidth.runs},
-                "decode_efficiency": eff,
-                "decode_efficiency_runs": efficiency.runs,
+                "decode_efficiency": timed[0].eff(),
+                "decode_efficiency_runs": timed[0].efficiency.runs,
                 "profile": profile_json(&profile),
             })
         )?;
@@ -272,7 +349,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         "| model | size | backend | threads | test | t/s (median) | min – max |"
     )?;
     writeln!(out, "|---|---|---|---|---|---|---|")?;
-    for s in &tests {
+    for (_, s) in &tests {
         writeln!(
             out,
             "| {} | {:.2} GiB | {} | {} | {} | {:.2} | {:.2} – {:.2} |",
@@ -299,20 +376,31 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         bandwidth.min(),
         bandwidth.max()
     )?;
-    if let Some(e) = eff {
+    for t in &timed {
         writeln!(
             out,
-            "decode efficiency: {:.0}% of the bandwidth roofline (median over {} repetitions of \
-             tg t/s × ({:.3} GB of weights + {:.3} GB of KV cache) a token ÷ the bandwidth read \
-             around every {} tokens; {:.0}-{:.0}%)",
-            e * 100.0,
-            efficiency.runs.len(),
-            bpt / 1e9,
-            kv_bpt / 1e9,
-            READ_EVERY,
-            efficiency.min() * 100.0,
-            efficiency.max() * 100.0
+            "KV cache: {} keys/values, {} bytes per position ({:.1}% of f16's {})",
+            t.kv.name(),
+            t.kv_pos,
+            100.0 * t.kv_pos as f64 / kv_pos_f16 as f64,
+            kv_pos_f16
         )?;
+        if let Some(e) = t.eff() {
+            writeln!(
+                out,
+                "decode efficiency{}: {:.0}% of the bandwidth roofline (median over {} repetitions \
+                 of tg t/s × ({:.3} GB of weights + {:.3} GB of KV cache) a token ÷ the bandwidth \
+                 read around every {} tokens; {:.0}-{:.0}%)",
+                kv_tag(t.kv),
+                e * 100.0,
+                t.efficiency.runs.len(),
+                bpt / 1e9,
+                t.kv_bpt / 1e9,
+                READ_EVERY,
+                t.efficiency.min() * 100.0,
+                t.efficiency.max() * 100.0
+            )?;
+        }
     }
     if !profile.is_empty() {
         write_profile(&mut out, &profile)?;

@@ -1,6 +1,7 @@
 //! Opening a model for the CLI: `--model` resolved to a file (a path or an alias, see
 //! `infer models`), loaded through [`infer::engine::load`] with the command's `--threads`,
-//! `--ctx`, `--device` and `--gpu-layers`, and the loader's notes printed on stderr.
+//! `--ctx`, `--device`, `--gpu-layers` and `--cache-type-k/v`, and the loader's notes printed
+//! on stderr.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -33,6 +34,8 @@ fn options(m: &ModelArgs, ctx: Option<usize>, n_seq: usize) -> LoadOptions {
         device: m.device.device.map(Into::into),
         gpu_layers: m.device.gpu_layers,
         pack_dir: crate::cli::models::pack_dir(),
+        cache_type_k: m.cache_type_k,
+        cache_type_v: m.cache_type_v,
     }
 }
 

@@ -109,7 +109,10 @@ pub fn main() -> ExitCode {
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("infer: {e:#}");
-            if e.downcast_ref::<UsageError>().is_some() {
+            if e.downcast_ref::<UsageError>().is_some()
+                || e.downcast_ref::<infer::engine::load::CacheTypeError>()
+                    .is_some()
+            {
                 ExitCode::from(2)
             } else {
                 ExitCode::from(1)

@@ -1,6 +1,7 @@
 //! `infer perplexity`: perplexity of a model on a text file by llama.cpp's method (see
 //! `infer::eval::perplexity`), with `--kl-divergence BASE` the KL divergence and top-1 agreement
-//! against a base model run on the same windows. The running estimate goes to stderr (a bar on a
+//! against a base model run on the same windows (the base with an f16 KV cache whatever
+//! `--cache-type-k/v` say, so a model against itself measures a quantized cache). The running estimate goes to stderr (a bar on a
 //! terminal, one line per window otherwise); the final figures go to stdout, as text or `--json`.
 
 use std::path::Path;
@@ -14,6 +15,7 @@ use crate::cli::{note, progress, UsageError};
 use infer::engine::runner::Runner;
 use infer::eval::perplexity::{evaluate, first_scored, Options, Progress, Report};
 use infer::eval::streaming::{sliding, streaming};
+use infer::model::backend::CacheType;
 use infer::tokenizer::Tokenizer;
 
 /// Reads a UTF-8 text file (usage error when missing).
@@ -70,8 +72,12 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     }
     let base = match &a.kl_divergence {
         Some(p) => {
+            // The base keeps the default f16 KV cache: `--kl-divergence` of a model against
+            // itself then measures what `--cache-type-k/v` cost.
             let base = ModelArgs {
                 model: p.clone(),
+                cache_type_k: CacheType::F16,
+                cache_type_v: CacheType::F16,
                 ..a.model.clone()
             };
             Some(load_quiet(&base, a.ctx)?)

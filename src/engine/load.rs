@@ -22,6 +22,7 @@ use crate::kernels::cuda::backend::CudaBackend;
 use crate::kernels::cuda::launch::Launch;
 use crate::kernels::cuda::{driver, vram};
 use crate::kernels::device::DeviceBackend;
+use crate::model::backend::{CacheType, KvType};
 use crate::model::{Backend, Model, ModelConfig, Weights};
 use crate::tokenizer::Tokenizer;
 
@@ -55,6 +56,40 @@ pub struct LoadOptions {
     /// Where the CPU backend keeps its repacked weights between runs (see
     /// `kernels::cpu::layouts::pack_file`); `None`: repack at every load.
     pub pack_dir: Option<PathBuf>,
+    /// The KV cache's key and value types (`--cache-type-k`, `--cache-type-v`; default f16 both).
+    pub cache_type_k: CacheType,
+    pub cache_type_v: CacheType,
+}
+
+/// A KV cache type this model or device cannot take (`--cache-type-k`/`--cache-type-v`): the
+/// caller's usage error, not a failure of the run.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct CacheTypeError(pub String);
+
+/// The cache type of `cfg` with `opts`' key and value types: f16 both leaves the model's own
+/// (f16, or f32 for a model computed in f32); a quantized one needs heads of whole 32-value blocks
+/// and a model whose cache is f16.
+pub fn cache_type(cfg: &ModelConfig, opts: &LoadOptions) -> Result<KvType, CacheTypeError> {
+    let (k, v) = (opts.cache_type_k, opts.cache_type_v);
+    if !k.is_quantized() && !v.is_quantized() {
+        return Ok(cfg.kv_type);
+    }
+    let flags = format!("--cache-type-k {} --cache-type-v {}", k.name(), v.name());
+    if cfg.kv_type != KvType::F16 {
+        return Err(CacheTypeError(format!(
+            "{flags}: this model computes in {} end to end; its KV cache is not quantized",
+            cfg.kv_type.name()
+        )));
+    }
+    let widths = [cfg.head_dim, cfg.kv_dim() / cfg.n_head_kv.max(1)];
+    if let Some(w) = widths.iter().find(|w| !w.is_multiple_of(32)) {
+        return Err(CacheTypeError(format!(
+            "{flags}: the model's attention heads are {w} values wide, not a multiple of the \
+             32-value blocks of q8_0 and q4_0"
+        )));
+    }
+    Ok(KvType::of(k, v))
 }
 
 /// A loaded model, ready to generate.
@@ -103,7 +138,9 @@ fn load_with<B: Backend>(
     let t0 = Instant::now();
     let g = open_gguf(path)?;
     let tokenizer = open_tokenizer(&g, path)?;
-    let cfg = ModelConfig::from_gguf(&g).with_context(|| format!("reading {}", path.display()))?;
+    let mut cfg =
+        ModelConfig::from_gguf(&g).with_context(|| format!("reading {}", path.display()))?;
+    cfg.kv_type = cache_type(&cfg, opts)?;
     let threads = opts.threads.unwrap_or_else(physical_cores).max(1);
     let n_ctx = opts
         .n_ctx
@@ -156,6 +193,14 @@ fn device_backend(
         return Ok(DeviceBackend::cpu_only(cpu));
     }
     let driver = match driver::probe() {
+        Ok(_) if matches!(cfg.kv_type, KvType::Quant { .. }) => {
+            return Err(CacheTypeError(format!(
+                "a {} KV cache runs on the CPU only so far (the CUDA attention kernels read f16); \
+                 add --device cpu, or leave --cache-type-k/--cache-type-v at f16",
+                cfg.kv_type.name()
+            ))
+            .into())
+        }
         Ok(d) => d,
         Err(e) if device == Some(Device::Cuda) => {
             bail!("--device cuda: no usable CUDA device: {e:#} (use --device cpu or auto)")
@@ -219,7 +264,7 @@ mod tests {
             n_seq: Some(3),
             device: Some(Device::Cpu),
             gpu_layers: None,
-            pack_dir: None,
+            ..LoadOptions::default()
         };
         let l = load(&tiny(), &cpu).unwrap();
         assert_eq!((l.threads, l.runner.n_ctx()), (1, 64));

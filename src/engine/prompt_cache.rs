@@ -24,7 +24,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 
 use crate::format::checksum;
-use crate::model::backend::KvType;
+use crate::model::backend::{CacheType, KvType};
 
 const MAGIC: &[u8; 8] = b"INFERKV\0";
 const VERSION: u32 = 1;
@@ -71,10 +71,25 @@ pub enum Refusal {
     Checksum,
 }
 
+/// The K/V types of ids 16.. (`16 + 3 * k + v` in [`CacheType::ALL`]'s order), as named.
+const QUANT_NAMES: [&str; 9] = [
+    "f16/f16",
+    "f16/q8_0",
+    "f16/q4_0",
+    "q8_0/f16",
+    "q8_0/q8_0",
+    "q8_0/q4_0",
+    "q4_0/f16",
+    "q4_0/q8_0",
+    "q4_0/q4_0",
+];
+
 fn type_id(t: KvType) -> u8 {
+    let index = |c: CacheType| CacheType::ALL.iter().position(|&x| x == c).expect("listed") as u8;
     match t {
         KvType::F16 => 0,
         KvType::F32 => 1,
+        KvType::Quant { k, v } => 16 + 3 * index(k) + index(v),
     }
 }
 
@@ -82,6 +97,7 @@ fn type_name(id: u8) -> &'static str {
     match id {
         0 => "f16",
         1 => "f32",
+        16..=24 => QUANT_NAMES[(id - 16) as usize],
         _ => "unknown",
     }
 }
@@ -271,6 +287,26 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "it holds a f16 KV cache, and this run's is f32"
+        );
+        let q8 = CacheShape {
+            kv_type: KvType::of(CacheType::Q8_0, CacheType::Q8_0),
+            ..sh
+        };
+        let e = decode(&q8, &b).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "it holds a f16 KV cache, and this run's is q8_0/q8_0"
+        );
+        let q4 = CacheShape {
+            kv_type: KvType::of(CacheType::Q8_0, CacheType::Q4_0),
+            ..sh
+        };
+        let bq = encode(&q8, &s);
+        assert_eq!(decode(&q8, &bq).unwrap(), s);
+        let e = decode(&q4, &bq).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "it holds a q8_0/q8_0 KV cache, and this run's is q8_0/q4_0"
         );
         let wide = CacheShape { kv_dim: 16, ..sh };
         assert!(matches!(decode(&wide, &b), Err(Refusal::OtherShape)));

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use anyhow::{bail, Result};
 
 use crate::engine::kv_blocks::{BlockPool, BlockTable};
+use crate::model::backend::KvType;
 use crate::model::{Backend, BatchEntry, Model};
 
 /// Positions per KV block.
@@ -58,6 +59,8 @@ pub struct Runner<B: Backend> {
     kv: B::Kv,
     pool: BlockPool,
     n_ctx: usize,
+    /// KV storage of other types, kept by [`Runner::set_kv_type`].
+    stash: Vec<(KvType, B::Kv)>,
 }
 
 impl<B: Backend> Runner<B> {
@@ -84,7 +87,34 @@ impl<B: Backend> Runner<B> {
             kv,
             pool: BlockPool::new(n_blocks, BLOCK_SIZE),
             n_ctx,
+            stash: Vec::new(),
         })
+    }
+
+    /// Switches the KV storage to type `t` (`infer bench --kv-types` timing several cache types in
+    /// one run): one of that type used before, else a new one; the replaced storage is kept for a
+    /// switch back. Every sequence must have been dropped: the block pool starts afresh and the
+    /// prefix cache is emptied.
+    pub fn set_kv_type(&mut self, t: KvType) -> Result<()> {
+        let cur = self.model.cfg.kv_type;
+        if t == cur {
+            return Ok(());
+        }
+        let n_blocks = self.pool.n_blocks();
+        let new = match self.stash.iter().position(|(k, _)| *k == t) {
+            Some(i) => self.stash.swap_remove(i).1,
+            None => {
+                let cfg = &self.model.cfg;
+                self.model
+                    .backend
+                    .alloc_kv(cfg.n_layer, n_blocks, BLOCK_SIZE, cfg.kv_dim(), t)?
+            }
+        };
+        let old = std::mem::replace(&mut self.kv, new);
+        self.stash.push((cur, old));
+        self.model.cfg.kv_type = t;
+        self.pool = BlockPool::new(n_blocks, BLOCK_SIZE);
+        Ok(())
     }
 
     /// The most positions one sequence may hold.

@@ -51,6 +51,89 @@ pub enum KvType {
     F16,
     /// f32, for models computed in f32 end to end (attention is a plain f32 softmax).
     F32,
+    /// K and V each in a [`CacheType`] (`--cache-type-k`, `--cache-type-v`), at least one of them
+    /// quantized: attention reads the blocks in place (`kernels::cpu::attention::quant_cache`).
+    /// Built by [`KvType::of`], never with both `F16`.
+    Quant { k: CacheType, v: CacheType },
+}
+
+impl KvType {
+    /// The type of a cache with keys in `k` and values in `v`: [`KvType::F16`] for two f16s.
+    pub fn of(k: CacheType, v: CacheType) -> KvType {
+        match (k, v) {
+            (CacheType::F16, CacheType::F16) => KvType::F16,
+            (k, v) => KvType::Quant { k, v },
+        }
+    }
+
+    /// Bytes of one position's K row and V row (`kv_dim` values each) in one layer.
+    pub fn row_bytes(self, kv_dim: usize) -> (usize, usize) {
+        match self {
+            KvType::F16 => (2 * kv_dim, 2 * kv_dim),
+            KvType::F32 => (4 * kv_dim, 4 * kv_dim),
+            KvType::Quant { k, v } => (k.row_bytes(kv_dim), v.row_bytes(kv_dim)),
+        }
+    }
+
+    /// How `--cache-type-k`/`--cache-type-v` spell it: `"f16"`, `"f32"`, or `"K/V"` (`"q8_0/q8_0"`).
+    pub fn name(self) -> String {
+        match self {
+            KvType::F16 => "f16".into(),
+            KvType::F32 => "f32".into(),
+            KvType::Quant { k, v } => format!("{}/{}", k.name(), v.name()),
+        }
+    }
+}
+
+/// The element type of a KV cache's keys or values, with llama.cpp's names (`--cache-type-k`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Hash)]
+pub enum CacheType {
+    #[default]
+    F16,
+    /// ggml's `block_q8_0`: an f16 scale and 32 signed bytes (34 bytes per 32 values).
+    Q8_0,
+    /// ggml's `block_q4_0`: an f16 scale and 32 nibbles offset by 8 (18 bytes per 32 values).
+    Q4_0,
+}
+
+impl CacheType {
+    pub const ALL: [CacheType; 3] = [CacheType::F16, CacheType::Q8_0, CacheType::Q4_0];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheType::F16 => "f16",
+            CacheType::Q8_0 => "q8_0",
+            CacheType::Q4_0 => "q4_0",
+        }
+    }
+
+    /// The type named `s` (llama.cpp's spelling), if it is one of [`CacheType::ALL`].
+    pub fn parse(s: &str) -> Option<CacheType> {
+        CacheType::ALL.into_iter().find(|t| t.name() == s)
+    }
+
+    /// The ggml tensor type of the same bytes.
+    pub fn ggml(self) -> GgmlType {
+        match self {
+            CacheType::F16 => GgmlType::F16,
+            CacheType::Q8_0 => GgmlType::Q8_0,
+            CacheType::Q4_0 => GgmlType::Q4_0,
+        }
+    }
+
+    /// Whether values come in blocks of 32 (a head's width must then be a multiple of 32).
+    pub fn is_quantized(self) -> bool {
+        self != CacheType::F16
+    }
+
+    /// Bytes of `n` values (`n` a multiple of 32 for the block types).
+    pub fn row_bytes(self, n: usize) -> usize {
+        match self {
+            CacheType::F16 => 2 * n,
+            CacheType::Q8_0 => n / 32 * 34,
+            CacheType::Q4_0 => n / 32 * 18,
+        }
+    }
 }
 
 /// One query row of attention: where its sequence's keys live and how far it may look.

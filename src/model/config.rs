@@ -234,8 +234,8 @@ impl ModelConfig {
             Arch::Gemma3 => (
                 RopeStyle::Neox,
                 match kv_type {
-                    KvType::F16 => Activation::GeluTanh,
                     KvType::F32 => Activation::GeluTanhF32,
+                    KvType::F16 | KvType::Quant { .. } => Activation::GeluTanh,
                 },
                 (n_embd as f32).sqrt(),
                 true,
@@ -288,18 +288,18 @@ impl ModelConfig {
         self.n_head * self.head_dim
     }
 
+    /// Bytes the KV cache stores per position: every layer's K row and V row in the cache's type.
+    pub fn kv_bytes_per_position(&self) -> u64 {
+        let (k, v) = self.kv_type.row_bytes(self.kv_dim());
+        (self.n_layer * (k + v)) as u64
+    }
+
     /// Bytes of the KV cache a one-token step at position `pos` reads: the keys and values of
     /// every position it sees, in every layer (a sliding-window layer sees at most its window).
     pub fn kv_read_bytes(&self, pos: usize) -> u64 {
-        let elem = match self.kv_type {
-            KvType::F16 => 2,
-            KvType::F32 => 4,
-        };
-        kv_read_bytes(
-            self.kv_dim() * elem,
-            self.layers.iter().map(|l| l.window),
-            pos,
-        )
+        let (k, v) = self.kv_type.row_bytes(self.kv_dim());
+        // Both are even (f16 values, 34- or 18-byte blocks): the mean of the two is exact.
+        kv_read_bytes((k + v) / 2, self.layers.iter().map(|l| l.window), pos)
     }
 }
 

@@ -1,6 +1,7 @@
 //! The CPU implementation of `model::Backend`. Weights stay zero-copy views into the memory-mapped
 //! file; activations are plain `Vec<f32>`; the KV cache is paged f16 storage on huge pages
-//! ([`KvPlane`]; f32 for models computed in f32, see `attention::f32_cache`). Every op that touches a matrix
+//! ([`KvPlane`]; f32 for models computed in f32, see `attention::f32_cache`; Q8_0/Q4_0 blocks with
+//! `--cache-type-k/v`, see `attention::quant_cache`). Every op that touches a matrix
 //! splits its output rows across the persistent thread pool; no op allocates per row.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,6 +13,7 @@ use half::slice::HalfFloatSliceExt;
 use crate::format::{GgmlType, Gguf};
 use crate::kernels::cpu::attention;
 use crate::kernels::cpu::attention::f32_cache::{self, KvF32};
+use crate::kernels::cpu::attention::quant_cache::{self, KvQuant};
 use crate::kernels::cpu::fused;
 use crate::kernels::cpu::fused::ffn;
 use crate::kernels::cpu::layouts::pack_file::{Copies, Deferred, PackFile};
@@ -186,6 +188,8 @@ pub struct CpuKv {
     pub kv_dim: usize,
     /// The f32 storage instead (`k` and `v` are then empty), for `KvType::F32`.
     pub f32: Option<KvF32>,
+    /// The quantized storage instead (`k` and `v` are then empty), for `KvType::Quant`.
+    pub quant: Option<KvQuant>,
 }
 
 impl CpuKv {
@@ -197,6 +201,11 @@ impl CpuKv {
             let (from, to) = (from as usize * n, to as usize * n);
             if let Some(kv32) = &mut self.f32 {
                 kv32.copy(from, to, n);
+                continue;
+            }
+            if let Some(kq) = &mut self.quant {
+                let bs = self.block_size;
+                kq.copy(from / n * bs, to / n * bs, bs);
                 continue;
             }
             for l in layers.clone() {
@@ -215,6 +224,9 @@ impl CpuKv {
 
     /// Bytes of one block: every layer's K and V.
     fn block_bytes(&self) -> usize {
+        if let Some(kq) = &self.quant {
+            return kq.layers() * self.block_size * (kq.k_row + kq.v_row);
+        }
         let (layers, width) = match &self.f32 {
             Some(k32) => (k32.k.len(), 4),
             None => (self.k.layers(), 2),
@@ -227,6 +239,15 @@ impl CpuKv {
         let n = self.block_values();
         let mut out = Vec::with_capacity(blocks.len() * self.block_bytes());
         for &b in blocks {
+            if let Some(kq) = &self.quant {
+                let bs = self.block_size;
+                let (kr, vr) = (kq.k_row * bs, kq.v_row * bs);
+                for (k, v) in kq.k.iter().zip(&kq.v) {
+                    out.extend_from_slice(&k[b as usize * kr..(b as usize + 1) * kr]);
+                    out.extend_from_slice(&v[b as usize * vr..(b as usize + 1) * vr]);
+                }
+                continue;
+            }
             let r = b as usize * n..(b as usize + 1) * n;
             match &self.f32 {
                 Some(k32) => {
@@ -249,7 +270,8 @@ impl CpuKv {
     }
 
     /// [`Backend::kv_shift`]: each key of `slots` in `layer` rotated by `-delta` positions, head
-    /// by head, through f32 (the f16 cache is rounded once more).
+    /// by head, through f32 (an f16 cache is rounded once more; a quantized one is dequantized,
+    /// rotated and quantized again, its blocks' rounding redone once).
     pub fn shift_keys(
         &mut self,
         layer: usize,
@@ -269,6 +291,14 @@ impl CpuKv {
         let d = self.kv_dim;
         let mut row = vec![0f32; d];
         for &slot in slots {
+            if let Some(kq) = &mut self.quant {
+                kq.key(layer, slot, &mut row);
+                for head in row.chunks_exact_mut(hd) {
+                    ops::rope_head(head, &table, rope.style);
+                }
+                kq.set_key(layer, slot, &row);
+                continue;
+            }
             let r = slot * d..(slot + 1) * d;
             match &mut self.f32 {
                 Some(k32) => {
@@ -301,6 +331,18 @@ impl CpuKv {
         }
         let n = self.block_values();
         for (&b, src) in blocks.iter().zip(bytes.chunks_exact(per_block)) {
+            if let Some(kq) = &mut self.quant {
+                let bs = self.block_size;
+                let (kr, vr) = (kq.k_row * bs, kq.v_row * bs);
+                let mut at = 0;
+                for (k, v) in kq.k.iter_mut().zip(kq.v.iter_mut()) {
+                    k[b as usize * kr..(b as usize + 1) * kr].copy_from_slice(&src[at..at + kr]);
+                    at += kr;
+                    v[b as usize * vr..(b as usize + 1) * vr].copy_from_slice(&src[at..at + vr]);
+                    at += vr;
+                }
+                continue;
+            }
             let r = b as usize * n..(b as usize + 1) * n;
             match &mut self.f32 {
                 Some(k32) => {
@@ -562,22 +604,29 @@ impl Backend for CpuBackend {
             .checked_mul(block_size)
             .and_then(|v| v.checked_mul(kv_dim))
             .ok_or_else(|| anyhow::anyhow!("KV cache size overflows"))?;
-        if kv_type == KvType::F32 {
-            return Ok(CpuKv {
-                k: KvPlane::zeroed(0, 0),
-                v: KvPlane::zeroed(0, 0),
-                block_size,
-                kv_dim,
-                f32: Some(KvF32::new(n_layer, per_layer)),
-            });
-        }
-        Ok(CpuKv {
-            k: KvPlane::zeroed(n_layer, per_layer),
-            v: KvPlane::zeroed(n_layer, per_layer),
+        let empty = || CpuKv {
+            k: KvPlane::zeroed(0, 0),
+            v: KvPlane::zeroed(0, 0),
             block_size,
             kv_dim,
             f32: None,
-        })
+            quant: None,
+        };
+        match kv_type {
+            KvType::F32 => Ok(CpuKv {
+                f32: Some(KvF32::new(n_layer, per_layer)),
+                ..empty()
+            }),
+            KvType::Quant { k, v } => Ok(CpuKv {
+                quant: Some(KvQuant::new(n_layer, n_blocks * block_size, kv_dim, k, v)?),
+                ..empty()
+            }),
+            KvType::F16 => Ok(CpuKv {
+                k: KvPlane::zeroed(n_layer, per_layer),
+                v: KvPlane::zeroed(n_layer, per_layer),
+                ..empty()
+            }),
+        }
     }
 
     fn act(&self, rows: usize, cols: usize) -> CpuAct {
@@ -744,6 +793,9 @@ impl Backend for CpuBackend {
         if let Some(kv32) = &mut kv.f32 {
             return kv32.write(layer, k, v, slots);
         }
+        if let Some(kq) = &mut kv.quant {
+            return kq.write(layer, k, v, slots);
+        }
         let d = kv.kv_dim;
         for (i, &slot) in slots.iter().enumerate() {
             kv.k[layer][slot * d..(slot + 1) * d].convert_from_f32_slice(k.row(i));
@@ -780,6 +832,12 @@ impl Backend for CpuBackend {
             return f32_cache::attention(&self.pool, q, kv32, layer, bs, queries, shape, out);
         }
         let invariant = self.row_invariant.load(Ordering::Relaxed);
+        if let Some(kq) = &kv.quant {
+            let (bs, isa) = (kv.block_size, quant_cache::Isa::current());
+            return quant_cache::attention(
+                &self.pool, q, kq, layer, bs, queries, shape, out, isa, invariant,
+            );
+        }
         attention::attention(&self.pool, q, kv, layer, queries, shape, out, invariant);
     }
 

@@ -219,8 +219,15 @@ impl Backend for CudaBackend {
         n_blocks: usize,
         block_size: usize,
         kv_dim: usize,
-        _kv_type: KvType,
+        kv_type: KvType,
     ) -> Result<CudaKv> {
+        if let KvType::Quant { .. } = kv_type {
+            bail!(
+                "the CUDA kernels read an f16 KV cache only; a {} cache runs on the CPU \
+                 (--device cpu)",
+                kv_type.name()
+            );
+        }
         let bytes = n_blocks * block_size * kv_dim * 2;
         let mut k = Vec::with_capacity(n_layer);
         let mut v = Vec::with_capacity(n_layer);

@@ -63,6 +63,7 @@ pub(crate) fn decode<'a>(
     if h.rows != 1
         || batch.queries.len() != 1
         || kv.f32.is_some()
+        || kv.quant.is_some()
         || kv.kv_dim != kvd
         || nkv == 0
         || !nh.is_multiple_of(nkv)

@@ -1,0 +1,863 @@
+//! Attention over a quantized KV cache (`--cache-type-k` / `--cache-type-v` `q8_0` or `q4_0`,
+//! llama.cpp's names and ggml's block layouts): keys and values are stored as `block_q8_0` (an
+//! f16 scale and 32 signed bytes) or `block_q4_0` (an f16 scale and 32 nibbles offset by 8), or
+//! f16 where only the other one is quantized, and attention reads those blocks in place; no
+//! dequantized copy of the cache is ever made.
+//!
+//! - **K**: each query head's row is quantized once per call to Q8_0 (ggml's reference rounding),
+//!   and a score is the integer dot product of the two rows' blocks, scaled by the product of
+//!   their block scales: per block, eight exact 32-bit partial sums (bytes `4l..4l + 4` for lane
+//!   `l`, as AVX2's `vpmaddubsw` + `vpmaddwd` leave them), each multiply-added in f32 into lane
+//!   `l` of an accumulator, whose lanes are summed in ggml's `hsum_float_8` order.
+//! - **Softmax**: two passes over the scores of one (query row, head): the maximum, then
+//!   `exp(s - max)` summed in f32 in position order.
+//! - **V**: the weighted sum is accumulated in f32 straight from the blocks: per block, the
+//!   weight times the block scale once, then one multiply-add per value.
+//!
+//! Every kernel has an AVX2 version and a scalar twin with the same arithmetic; the tests hold
+//! them equal bit for bit and hold the whole attention to an f64 softmax over the dequantized
+//! cache. The arithmetic of a row does not depend on the batch (one kernel for prefill and decode)
+//! except for how a row's positions are split between threads, which the row-invariant mode fixes
+//! to a one-row call's. A unit of work is one query row and one KV head with all the query heads
+//! that read it (each key and value row is read once for them), or a part of its positions where
+//! there are fewer such pairs than threads (a decode step; the parts are merged by their maxima).
+
+use half::f16;
+
+use crate::kernels::cpu::backend::CpuAct;
+use crate::kernels::cpu::threads::pool::ThreadPool;
+use crate::kernels::cpu::SharedMut;
+use crate::model::backend::{AttnQuery, AttnShape, CacheType};
+use crate::quant::dequantize_row;
+use crate::quant::quantize::{quantize_row_f16, quantize_row_q4_0, quantize_row_q8_0};
+
+/// Values per quantized block.
+pub const QK: usize = 32;
+/// Bytes of a query head's Q8_0 block.
+const Q8_BYTES: usize = 34;
+
+/// The K/V storage: per layer, `slots` rows of `kv_dim` values for K and V, each in its type.
+pub struct KvQuant {
+    pub k_type: CacheType,
+    pub v_type: CacheType,
+    pub kv_dim: usize,
+    /// Bytes of one slot's K row and V row.
+    pub k_row: usize,
+    pub v_row: usize,
+    pub k: Vec<Vec<u8>>, // (n_layer, slots * k_row)
+    pub v: Vec<Vec<u8>>, // (n_layer, slots * v_row)
+}
+
+impl KvQuant {
+    /// Zeroed storage for `slots` positions per layer (`kv_dim` a multiple of 32).
+    pub fn new(
+        n_layer: usize,
+        slots: usize,
+        kv_dim: usize,
+        k_type: CacheType,
+        v_type: CacheType,
+    ) -> anyhow::Result<KvQuant> {
+        anyhow::ensure!(
+            kv_dim.is_multiple_of(QK),
+            "a quantized KV cache needs rows of whole 32-value blocks, not {kv_dim}"
+        );
+        let (k_row, v_row) = (k_type.row_bytes(kv_dim), v_type.row_bytes(kv_dim));
+        let plane = |row: usize| {
+            slots
+                .checked_mul(row)
+                .ok_or_else(|| anyhow::anyhow!("KV cache size overflows"))
+        };
+        let (kb, vb) = (plane(k_row)?, plane(v_row)?);
+        Ok(KvQuant {
+            k_type,
+            v_type,
+            kv_dim,
+            k_row,
+            v_row,
+            k: (0..n_layer).map(|_| vec![0u8; kb]).collect(),
+            v: (0..n_layer).map(|_| vec![0u8; vb]).collect(),
+        })
+    }
+
+    pub fn layers(&self) -> usize {
+        self.k.len()
+    }
+
+    /// Copies `n` slots from slot `from` to slot `to` in every layer's K and V.
+    pub fn copy(&mut self, from: usize, to: usize, n: usize) {
+        for (plane, row) in self
+            .k
+            .iter_mut()
+            .map(|p| (p, self.k_row))
+            .chain(self.v.iter_mut().map(|p| (p, self.v_row)))
+        {
+            plane.copy_within(from * row..(from + n) * row, to * row);
+        }
+    }
+
+    /// Quantizes row i of `k` and `v` into slot `slots[i]` of `layer`.
+    pub fn write(&mut self, layer: usize, k: &CpuAct, v: &CpuAct, slots: &[usize]) {
+        let (kr, vr) = (self.k_row, self.v_row);
+        for (i, &slot) in slots.iter().enumerate() {
+            store(
+                self.k_type,
+                k.row(i),
+                &mut self.k[layer][slot * kr..(slot + 1) * kr],
+            );
+            store(
+                self.v_type,
+                v.row(i),
+                &mut self.v[layer][slot * vr..(slot + 1) * vr],
+            );
+        }
+    }
+
+    /// The K row of `slot` in `layer`, dequantized.
+    pub fn key(&self, layer: usize, slot: usize, out: &mut [f32]) {
+        let r = slot * self.k_row..(slot + 1) * self.k_row;
+        dequantize_row(self.k_type.ggml(), &self.k[layer][r], out).expect("whole blocks");
+    }
+
+    /// The V row of `slot` in `layer`, dequantized.
+    pub fn value(&self, layer: usize, slot: usize, out: &mut [f32]) {
+        let r = slot * self.v_row..(slot + 1) * self.v_row;
+        dequantize_row(self.v_type.ggml(), &self.v[layer][r], out).expect("whole blocks");
+    }
+
+    /// Overwrites the K row of `slot` in `layer` with `row`, quantized.
+    pub fn set_key(&mut self, layer: usize, slot: usize, row: &[f32]) {
+        let r = slot * self.k_row..(slot + 1) * self.k_row;
+        store(self.k_type, row, &mut self.k[layer][r]);
+    }
+}
+
+/// `src` in `ty`'s bytes (`dst` exactly as long), with ggml's reference quantizers.
+fn store(ty: CacheType, src: &[f32], dst: &mut [u8]) {
+    match ty {
+        CacheType::F16 => quantize_row_f16(src, dst),
+        CacheType::Q8_0 => quantize_row_q8_0(src, dst),
+        CacheType::Q4_0 => quantize_row_q4_0(src, dst),
+    }
+}
+
+/// Which implementation the kernels run: the scalar twins, or AVX2 (tests pick both).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+}
+
+impl Isa {
+    /// AVX2 where this process's SIMD level allows it (`INFER_SIMD`), else scalar.
+    pub fn current() -> Isa {
+        use crate::kernels::cpu::simd::{current, Level};
+        if cfg!(target_arch = "x86_64") && current() >= Level::Avx2 {
+            Isa::Avx2
+        } else {
+            Isa::Scalar
+        }
+    }
+}
+
+#[inline(always)]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// ggml's `hsum_float_8`: `((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7))`.
+#[inline(always)]
+fn hsum8(x: &[f32; 8]) -> f32 {
+    let w: [f32; 4] = std::array::from_fn(|i| x[i + 4] + x[i]);
+    (w[0] + w[2]) + (w[1] + w[3])
+}
+
+/// One 32-value block of a key row as signed bytes (Q8_0 as stored, Q4_0's nibbles minus 8:
+/// low nibbles are values 0..16, high nibbles 16..32).
+#[inline(always)]
+fn key_bytes(ty: CacheType, blk: &[u8]) -> [i8; 32] {
+    match ty {
+        CacheType::Q4_0 => std::array::from_fn(|i| {
+            let b = blk[2 + i % 16];
+            (if i < 16 { b & 0x0F } else { b >> 4 }) as i8 - 8
+        }),
+        _ => std::array::from_fn(|i| blk[2 + i] as i8),
+    }
+}
+
+/// Score of one key head row `k` (`nb` blocks of `ty`, Q8_0 or Q4_0) with a Q8_0 query row `q`:
+/// the scalar twin of [`key_dot_avx2`] (see the module's K paragraph), bit for bit.
+pub fn key_dot_scalar(ty: CacheType, nb: usize, k: &[u8], q: &[u8]) -> f32 {
+    let kb = ty.row_bytes(QK);
+    let mut acc = [0f32; 8];
+    for b in 0..nb {
+        let (kblk, qblk) = (
+            &k[b * kb..(b + 1) * kb],
+            &q[b * Q8_BYTES..(b + 1) * Q8_BYTES],
+        );
+        let d = f16_at(kblk, 0) * f16_at(qblk, 0);
+        let kv = key_bytes(ty, kblk);
+        for (l, a) in acc.iter_mut().enumerate() {
+            let s: i32 = (4 * l..4 * l + 4)
+                .map(|i| kv[i] as i32 * qblk[2 + i] as i8 as i32)
+                .sum();
+            *a = d.mul_add(s as f32, *a);
+        }
+    }
+    hsum8(&acc)
+}
+
+/// [`key_dot_scalar`] with AVX2 (`vpsignb`/`vpmaddubsw`/`vpmaddwd` give each lane's exact sum).
+///
+/// # Safety
+/// AVX2, FMA and F16C are available; `k` holds `nb` blocks of `ty` and `q` `nb` Q8_0 blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub unsafe fn key_dot_avx2(ty: CacheType, nb: usize, k: &[u8], q: &[u8]) -> f32 {
+    use std::arch::x86_64::*;
+    let kb = ty.row_bytes(QK);
+    assert!(k.len() >= nb * kb && q.len() >= nb * Q8_BYTES && ty.is_quantized());
+    let (kp, qp) = (k.as_ptr(), q.as_ptr());
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        let (kblk, qblk) = (kp.add(b * kb), qp.add(b * Q8_BYTES));
+        let dk = f16::from_bits(u16::from_le_bytes([*kblk, *kblk.add(1)])).to_f32();
+        let dq = f16::from_bits(u16::from_le_bytes([*qblk, *qblk.add(1)])).to_f32();
+        let kv = match ty {
+            CacheType::Q4_0 => {
+                let x = _mm_loadu_si128(kblk.add(2).cast());
+                let hi = _mm_srli_epi16(x, 4);
+                let both = _mm256_and_si256(_mm256_set_m128i(hi, x), _mm256_set1_epi8(0x0F));
+                _mm256_sub_epi8(both, _mm256_set1_epi8(8))
+            }
+            _ => _mm256_loadu_si256(kblk.add(2).cast()),
+        };
+        let qv = _mm256_loadu_si256(qblk.add(2).cast());
+        let ax = _mm256_sign_epi8(kv, kv);
+        let sy = _mm256_sign_epi8(qv, kv);
+        let lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), ones);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dk * dq), _mm256_cvtepi32_ps(lanes), acc);
+    }
+    let mut out = [0f32; 8];
+    _mm256_storeu_ps(out.as_mut_ptr(), acc);
+    hsum8(&out)
+}
+
+/// The scores of one key head row `k` with `out.len()` Q8_0 query rows (`q`, one after another,
+/// `nb` blocks each): `out[j] =` [`key_dot_scalar`] of row `j`.
+pub fn key_dots_scalar(ty: CacheType, nb: usize, k: &[u8], q: &[u8], out: &mut [f32]) {
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = key_dot_scalar(ty, nb, k, &q[j * nb * Q8_BYTES..]);
+    }
+}
+
+/// [`key_dots_scalar`] with AVX2 ([`key_dot_avx2`] per row; the key row stays in L1).
+///
+/// # Safety
+/// As [`key_dot_avx2`], with `q` holding `out.len()` rows of `nb` Q8_0 blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn key_dots_avx2(ty: CacheType, nb: usize, k: &[u8], q: &[u8], out: &mut [f32]) {
+    assert!(q.len() >= out.len() * nb * Q8_BYTES);
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = key_dot_avx2(ty, nb, k, &q[j * nb * Q8_BYTES..]);
+    }
+}
+
+/// The value of element `i` of a V block of `ty` (F16 "blocks" are 32 plain values, scale 1).
+#[inline(always)]
+fn value_at(ty: CacheType, blk: &[u8], i: usize) -> f32 {
+    match ty {
+        CacheType::F16 => f16_at(blk, 2 * i),
+        CacheType::Q8_0 => blk[2 + i] as i8 as f32,
+        CacheType::Q4_0 => {
+            let b = blk[2 + i % 16];
+            ((if i < 16 { b & 0x0F } else { b >> 4 }) as i32 - 8) as f32
+        }
+    }
+}
+
+/// The scale of a V block of `ty` (1 for f16).
+#[inline(always)]
+fn value_scale(ty: CacheType, blk: &[u8]) -> f32 {
+    match ty {
+        CacheType::F16 => 1.0,
+        _ => f16_at(blk, 0),
+    }
+}
+
+/// `acc[j * hd + e] += w[j] * v[e]` for each head `j < w.len()` and each value `e` of one V head
+/// row `v` (`hd / 32` blocks of `ty`): per block `c = w[j] * scale`, then `acc = fma(value, c,
+/// acc)`. The scalar twin of [`accumulate_v_avx2`].
+pub fn accumulate_v_scalar(ty: CacheType, hd: usize, v: &[u8], w: &[f32], acc: &mut [f32]) {
+    let bb = ty.row_bytes(QK);
+    for b in 0..hd / QK {
+        let blk = &v[b * bb..(b + 1) * bb];
+        let d = value_scale(ty, blk);
+        let vals: [f32; QK] = std::array::from_fn(|i| value_at(ty, blk, i));
+        for (j, &wj) in w.iter().enumerate() {
+            let c = wj * d;
+            let a = &mut acc[j * hd + b * QK..j * hd + (b + 1) * QK];
+            for (a, &x) in a.iter_mut().zip(&vals) {
+                *a = x.mul_add(c, *a);
+            }
+        }
+    }
+}
+
+/// [`accumulate_v_scalar`] with AVX2: each block widened to four f32 vectors once for all heads.
+///
+/// # Safety
+/// AVX2, FMA and F16C are available; `v` holds `hd / 32` blocks of `ty`; `acc` holds
+/// `w.len() * hd` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn accumulate_v_avx2(ty: CacheType, hd: usize, v: &[u8], w: &[f32], acc: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let bb = ty.row_bytes(QK);
+    let nb = hd / QK;
+    assert!(v.len() >= nb * bb && acc.len() >= w.len() * hd);
+    let (vp, ap) = (v.as_ptr(), acc.as_mut_ptr());
+    for b in 0..nb {
+        let blk = vp.add(b * bb);
+        let (d, x): (f32, [__m256; 4]) = match ty {
+            CacheType::F16 => (
+                1.0,
+                std::array::from_fn(|i| _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * i).cast()))),
+            ),
+            CacheType::Q8_0 => {
+                let d = f16::from_bits(u16::from_le_bytes([*blk, *blk.add(1)])).to_f32();
+                let x = std::array::from_fn(|i| {
+                    let q = _mm_loadl_epi64(blk.add(2 + 8 * i).cast());
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))
+                });
+                (d, x)
+            }
+            CacheType::Q4_0 => {
+                let d = f16::from_bits(u16::from_le_bytes([*blk, *blk.add(1)])).to_f32();
+                let raw = _mm_loadu_si128(blk.add(2).cast());
+                let m = _mm_set1_epi8(0x0F);
+                let eight = _mm_set1_epi8(8);
+                let lo = _mm_sub_epi8(_mm_and_si128(raw, m), eight);
+                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight);
+                let x = [
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))),
+                ];
+                (d, x)
+            }
+        };
+        for (j, &wj) in w.iter().enumerate() {
+            let c = _mm256_set1_ps(wj * d);
+            let a = ap.add(j * hd + b * QK);
+            for (i, &xi) in x.iter().enumerate() {
+                let p = a.add(8 * i);
+                _mm256_storeu_ps(p, _mm256_fmadd_ps(xi, c, _mm256_loadu_ps(p)));
+            }
+        }
+    }
+}
+
+/// The scores of one key head row (f16 or quantized) with the unit's query heads: `q8` holds
+/// their Q8_0 rows (quantized keys), `qf(j)` is head `j`'s f32 row (f16 keys).
+#[inline(always)]
+fn key_scores<'q>(
+    isa: Isa,
+    ty: CacheType,
+    hd: usize,
+    k: &[u8],
+    q8: &[u8],
+    qf: impl Fn(usize) -> &'q [f32],
+    out: &mut [f32],
+) {
+    match ty {
+        CacheType::F16 => {
+            for (j, o) in out.iter_mut().enumerate() {
+                let mut acc = [0f32; 8];
+                for (kc, qc) in k.chunks_exact(16).zip(qf(j).chunks_exact(8)) {
+                    for l in 0..8 {
+                        acc[l] = f16_at(kc, 2 * l).mul_add(qc[l], acc[l]);
+                    }
+                }
+                *o = hsum8(&acc);
+            }
+        }
+        _ => match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::Avx2` is only chosen where AVX2, FMA and F16C were detected; `k` is
+            // one head row of `hd / 32` blocks and `q8` holds `out.len()` such Q8_0 rows.
+            Isa::Avx2 => unsafe { key_dots_avx2(ty, hd / QK, k, q8, out) },
+            _ => key_dots_scalar(ty, hd / QK, k, q8, out),
+        },
+    }
+}
+
+#[inline(always)]
+fn accumulate_v(isa: Isa, ty: CacheType, hd: usize, v: &[u8], w: &[f32], acc: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only chosen where AVX2, FMA and F16C were detected; `v` is one
+        // head row and `acc` holds `w.len()` heads (the caller's buffers).
+        Isa::Avx2 => unsafe { accumulate_v_avx2(ty, hd, v, w, acc) },
+        _ => accumulate_v_scalar(ty, hd, v, w, acc),
+    }
+}
+
+/// Per-thread buffers of one unit, kept between calls (a decode step attends once per layer).
+#[derive(Default)]
+struct Scratch {
+    /// The unit's query heads quantized to Q8_0, one row after another.
+    q8: Vec<u8>,
+    /// Scores, then softmax weights: `[position][head]`.
+    s: Vec<f32>,
+    /// Per head: the part's maximum score, then its sum of weights.
+    m: Vec<f32>,
+    sum: Vec<f32>,
+    /// The V accumulators `[head][hd]`.
+    acc: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// Positions of a unit when a query's keys are split between threads: fewer are not worth a
+/// unit of their own.
+const MIN_SPLIT: usize = 64;
+
+/// What a query row and a KV head's heads attend over.
+struct Job<'a> {
+    kv: &'a KvQuant,
+    layer: usize,
+    block_size: usize,
+    shape: AttnShape,
+    isa: Isa,
+}
+
+impl Job<'_> {
+    /// Heads `g * group..(g + 1) * group` of query row `qrow` (`qa`) over positions `a..=b`
+    /// (non-empty): each head's maximum score, sum of weights and unnormalised V sum in `s`.
+    fn part(
+        &self,
+        qrow: &[f32],
+        qa: &AttnQuery<'_>,
+        g: usize,
+        a: usize,
+        b: usize,
+        s: &mut Scratch,
+    ) {
+        let (kv, isa) = (self.kv, self.isa);
+        let hd = self.shape.head_dim;
+        let nh = self.shape.n_head / self.shape.n_head_kv;
+        let h0 = g * nh;
+        let qh = |j: usize| &qrow[(h0 + j) * hd..(h0 + j + 1) * hd];
+        let row_q8 = hd / QK * Q8_BYTES;
+        if kv.k_type.is_quantized() {
+            s.q8.resize(nh * row_q8, 0);
+            for (j, dst) in s.q8.chunks_exact_mut(row_q8).enumerate() {
+                quantize_row_q8_0(qh(j), dst);
+            }
+        }
+        let (kp, vp) = (&kv.k[self.layer][..], &kv.v[self.layer][..]);
+        let (kb, vb) = (kv.k_type.row_bytes(hd), kv.v_type.row_bytes(hd));
+        let bs = self.block_size;
+        let slot = |p: usize| qa.block_table[p / bs] as usize * bs + p % bs;
+        let n = b + 1 - a;
+        s.s.resize(n * nh, 0.0);
+        for (p, sc) in (a..=b).zip(s.s.chunks_exact_mut(nh)) {
+            let k = &kp[slot(p) * kv.k_row + g * kb..][..kb];
+            key_scores(isa, kv.k_type, hd, k, &s.q8, qh, sc);
+        }
+        s.m.clear();
+        s.m.resize(nh, f32::NEG_INFINITY);
+        for sc in s.s.chunks_exact_mut(nh) {
+            for (x, m) in sc.iter_mut().zip(s.m.iter_mut()) {
+                *x *= self.shape.scale;
+                *m = m.max(*x);
+            }
+        }
+        s.sum.clear();
+        s.sum.resize(nh, 0.0);
+        for sc in s.s.chunks_exact_mut(nh) {
+            for ((x, &m), sum) in sc.iter_mut().zip(&s.m).zip(s.sum.iter_mut()) {
+                *x = (*x - m).exp();
+                *sum += *x;
+            }
+        }
+        s.acc.clear();
+        s.acc.resize(nh * hd, 0.0);
+        for (p, w) in (a..=b).zip(s.s.chunks_exact(nh)) {
+            let v = &vp[slot(p) * kv.v_row + g * vb..][..vb];
+            accumulate_v(isa, kv.v_type, hd, v, w, &mut s.acc);
+        }
+    }
+}
+
+/// Causal attention of each query row of `q` (rows × n_head·head_dim) over the cached keys and
+/// values of `layer`, written to `out` (same shape), with the kernels `isa` selects. A unit is one
+/// query row and one KV head (all the query heads that read it); where there are fewer such pairs
+/// than threads (a decode step), each pair's positions are split into parts computed apart and
+/// merged as flash attention merges (rescaled by the parts' maxima). With `invariant`, each row is
+/// split as a one-row call would split it, so its result does not depend on the batch.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    pool: &ThreadPool,
+    q: &CpuAct,
+    kv: &KvQuant,
+    layer: usize,
+    block_size: usize,
+    queries: &[AttnQuery<'_>],
+    shape: AttnShape,
+    out: &mut CpuAct,
+    isa: Isa,
+    invariant: bool,
+) {
+    let hd = shape.head_dim;
+    assert!(hd.is_multiple_of(QK), "head width {hd} is not whole blocks");
+    let (n_kv, group) = (shape.n_head_kv, shape.n_head / shape.n_head_kv);
+    let threads = pool.n_threads();
+    let rows = if invariant { 1 } else { queries.len() };
+    // How many parts a row's positions are cut into.
+    let parts_of = |qa: &AttnQuery<'_>| {
+        if rows * n_kv >= threads {
+            return 1;
+        }
+        let n = (qa.pos + 1 - qa.lo) as usize;
+        (2 * threads)
+            .div_ceil(rows * n_kv)
+            .min(n.div_ceil(MIN_SPLIT))
+            .max(1)
+    };
+    let parts: Vec<usize> = queries.iter().map(parts_of).collect();
+    // Row i's units are first[i]..first[i + 1]: KV head by KV head, part by part.
+    let mut first = Vec::with_capacity(queries.len() + 1);
+    first.push(0);
+    for &p in &parts {
+        first.push(first.last().copied().unwrap_or(0) + n_kv * p);
+    }
+    let units = first[queries.len()];
+    let split = parts.iter().any(|&p| p > 1);
+    let job = Job {
+        kv,
+        layer,
+        block_size,
+        shape,
+        isa,
+    };
+    let out_cols = out.cols;
+    let dst = SharedMut(out.data.as_mut_ptr());
+    // For split rows: per unit and head, the maximum, the sum and the V sum.
+    let stride = hd + 2;
+    let mut partial = vec![0f32; if split { units * group * stride } else { 0 }];
+    let pdst = SharedMut(partial.as_mut_ptr());
+    pool.for_range(units, 1, |range| {
+        SCRATCH.with_borrow_mut(|s| {
+            for unit in range {
+                let i = first.partition_point(|&f| f <= unit) - 1;
+                let (np, qa) = (parts[i], &queries[i]);
+                let (g, c) = ((unit - first[i]) / np, (unit - first[i]) % np);
+                // Part c of the positions lo..=pos (empty when there are fewer positions).
+                let (lo, pos) = (qa.lo as usize, qa.pos as usize);
+                let len = (pos + 1 - lo).div_ceil(np);
+                let a = lo + c * len;
+                if a > pos {
+                    for j in 0..group {
+                        // SAFETY: unit < units, so its `group * stride` values lie inside
+                        // `partial` (only split rows have empty parts); each unit is run once, by
+                        // one thread, and the pool joins before `partial` is read.
+                        unsafe { *pdst.ptr().add((unit * group + j) * stride) = f32::NEG_INFINITY };
+                    }
+                    continue;
+                }
+                job.part(q.row(i), qa, g, a, pos.min(a + len - 1), s);
+                for j in 0..group {
+                    let acc = &s.acc[j * hd..(j + 1) * hd];
+                    if np > 1 {
+                        // SAFETY: as above: this unit's own values of `partial`.
+                        let p = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                pdst.ptr().add((unit * group + j) * stride),
+                                stride,
+                            )
+                        };
+                        p[0] = s.m[j];
+                        p[1] = s.sum[j];
+                        p[2..].copy_from_slice(acc);
+                        continue;
+                    }
+                    let inv = if s.sum[j] == 0.0 { 0.0 } else { 1.0 / s.sum[j] };
+                    let h = g * group + j;
+                    // SAFETY: i < out.rows and h < n_head, so the slice lies inside `out`; each
+                    // (row, head) belongs to exactly one unit, run once, so the slices written by
+                    // the pool's threads are disjoint, and the pool joins before `out` is read.
+                    let o = unsafe {
+                        std::slice::from_raw_parts_mut(dst.ptr().add(i * out_cols + h * hd), hd)
+                    };
+                    for (o, &x) in o.iter_mut().zip(acc) {
+                        *o = x * inv;
+                    }
+                }
+            }
+        })
+    });
+    for (i, &np) in parts.iter().enumerate().filter(|(_, &p)| p > 1) {
+        for h in 0..shape.n_head {
+            let (g, j) = (h / group, h % group);
+            let at = |c: usize| ((first[i] + g * np + c) * group + j) * stride;
+            let m = (0..np)
+                .map(|c| partial[at(c)])
+                .fold(f32::NEG_INFINITY, f32::max);
+            let o = &mut out.data[i * out_cols + h * hd..i * out_cols + (h + 1) * hd];
+            o.iter_mut().for_each(|x| *x = 0.0);
+            let mut sum = 0f32;
+            for c in 0..np {
+                let p = &partial[at(c)..at(c) + stride];
+                if p[0] == f32::NEG_INFINITY {
+                    continue;
+                }
+                let f = (p[0] - m).exp();
+                sum += p[1] * f;
+                for (o, &x) in o.iter_mut().zip(&p[2..]) {
+                    *o += x * f;
+                }
+            }
+            let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+            o.iter_mut().for_each(|x| *x *= inv);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::cpu::test_floats;
+
+    fn q8(x: &[f32]) -> Vec<u8> {
+        let mut b = vec![0u8; x.len() / QK * Q8_BYTES];
+        quantize_row_q8_0(x, &mut b);
+        b
+    }
+
+    fn row(ty: CacheType, x: &[f32]) -> Vec<u8> {
+        let mut b = vec![0u8; ty.row_bytes(x.len())];
+        store(ty, x, &mut b);
+        b
+    }
+
+    fn avx2() -> bool {
+        Isa::current() == Isa::Avx2
+    }
+
+    /// The scalar K kernel is the quantized rows' exact dot product up to f32 rounding (checked
+    /// against ggml's reference `vec_dot` and an f64 sum of the dequantized values).
+    #[test]
+    fn key_dot_matches_the_reference_dot() {
+        for ty in [CacheType::Q8_0, CacheType::Q4_0] {
+            for (seed, nb) in [(1u32, 1usize), (2, 2), (3, 4), (4, 8)] {
+                let n = nb * QK;
+                let k = row(ty, &test_floats(n, seed));
+                let q = q8(&test_floats(n, seed + 100));
+                let got = key_dot_scalar(ty, nb, &k, &q);
+                let want = crate::quant::vec_dot(ty.ggml(), n, &k, &q);
+                let (mut kd, mut qd) = (vec![0f32; n], vec![0f32; n]);
+                dequantize_row(ty.ggml(), &k, &mut kd).unwrap();
+                dequantize_row(crate::format::GgmlType::Q8_0, &q, &mut qd).unwrap();
+                let exact: f64 = kd.iter().zip(&qd).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let mag: f64 = kd
+                    .iter()
+                    .zip(&qd)
+                    .map(|(&a, &b)| (a * b).abs() as f64)
+                    .sum();
+                assert!(
+                    (got as f64 - exact).abs() <= 1e-5 * mag,
+                    "{ty:?} {nb}: {got} {exact}"
+                );
+                assert!(
+                    (got - want).abs() as f64 <= 1e-5 * mag,
+                    "{ty:?} {nb}: {got} {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn avx2_kernels_equal_their_scalar_twins_bit_for_bit() {
+        if !avx2() {
+            eprintln!("skipped: no AVX2");
+            return;
+        }
+        for ty in [CacheType::Q8_0, CacheType::Q4_0] {
+            for nb in [1usize, 3, 4, 8] {
+                let n = nb * QK;
+                let k = row(ty, &test_floats(n, 7 + nb as u32));
+                let q = q8(&test_floats(n, 70 + nb as u32));
+                let s = key_dot_scalar(ty, nb, &k, &q);
+                // SAFETY: AVX2 checked above; the rows hold nb blocks.
+                let a = unsafe { key_dot_avx2(ty, nb, &k, &q) };
+                assert_eq!(s.to_bits(), a.to_bits(), "{ty:?} K, {nb} blocks");
+            }
+        }
+        for ty in CacheType::ALL {
+            for (hd, heads) in [(32usize, 1usize), (64, 3), (128, 6), (256, 1)] {
+                let v = row(ty, &test_floats(hd, 9 + hd as u32));
+                let w = test_floats(heads, 5);
+                let init = test_floats(heads * hd, 6);
+                let (mut a, mut b) = (init.clone(), init);
+                accumulate_v_scalar(ty, hd, &v, &w, &mut a);
+                // SAFETY: AVX2 checked above; `v` is one head row, `b` holds `heads` rows.
+                unsafe { accumulate_v_avx2(ty, hd, &v, &w, &mut b) };
+                for (x, y) in a.iter().zip(&b) {
+                    assert_eq!(x.to_bits(), y.to_bits(), "{ty:?} V, {hd} x {heads}");
+                }
+            }
+        }
+    }
+
+    /// The whole attention, for every pair of types, both ISAs, ragged lengths and windows, GQA,
+    /// scattered blocks: within a tolerance of an f64 softmax attention over the dequantized cache
+    /// with an f64 query (so the only error is the query's Q8_0 rounding and f32 sums).
+    #[test]
+    fn attention_matches_an_f64_reference_over_the_dequantized_cache() {
+        let pool = ThreadPool::new(2);
+        let (bs, n_head, n_kv) = (16usize, 6usize, 2usize);
+        for hd in [32usize, 128] {
+            let kvd = n_kv * hd;
+            let n_blocks = 12;
+            let table: Vec<u32> = vec![3, 0, 7, 1, 11, 5, 2, 9, 4];
+            for kt in CacheType::ALL {
+                for vt in CacheType::ALL {
+                    let mut kv = KvQuant::new(1, n_blocks * bs, kvd, kt, vt).unwrap();
+                    let npos = table.len() * bs - 3;
+                    let slot = |p: usize| table[p / bs] as usize * bs + p % bs;
+                    let kact = CpuAct {
+                        data: test_floats(npos * kvd, 21)
+                            .iter()
+                            .map(|x| x * 0.7)
+                            .collect(),
+                        rows: npos,
+                        cols: kvd,
+                    };
+                    let vact = CpuAct {
+                        data: test_floats(npos * kvd, 22),
+                        rows: npos,
+                        cols: kvd,
+                    };
+                    let slots: Vec<usize> = (0..npos).map(slot).collect();
+                    kv.write(0, &kact, &vact, &slots);
+                    // (lo, pos): one position, ragged lengths, a window, the last position
+                    let cases = [
+                        (0usize, 0usize),
+                        (0, 1),
+                        (0, 33),
+                        (5, 47),
+                        (40, 100),
+                        (0, npos - 1),
+                    ];
+                    let q = CpuAct {
+                        data: test_floats(cases.len() * n_head * hd, 23),
+                        rows: cases.len(),
+                        cols: n_head * hd,
+                    };
+                    let queries: Vec<AttnQuery<'_>> = cases
+                        .iter()
+                        .map(|&(lo, pos)| AttnQuery {
+                            seq: 0,
+                            block_table: &table,
+                            pos: pos as u32,
+                            lo: lo as u32,
+                        })
+                        .collect();
+                    let shape = AttnShape {
+                        n_head,
+                        n_head_kv: n_kv,
+                        head_dim: hd,
+                        scale: 1.0 / (hd as f32).sqrt(),
+                    };
+                    let mut got = Vec::new();
+                    for isa in [Isa::Scalar, Isa::Avx2] {
+                        if isa == Isa::Avx2 && !avx2() {
+                            continue;
+                        }
+                        let mut out = CpuAct {
+                            data: vec![0.0; q.data.len()],
+                            rows: q.rows,
+                            cols: q.cols,
+                        };
+                        attention(&pool, &q, &kv, 0, bs, &queries, shape, &mut out, isa, false);
+                        // Each row alone (a decode step: its positions split between threads)
+                        // and row-invariant: the same up to the split's rounding, and exactly.
+                        let mut inv = CpuAct {
+                            data: vec![0.0; q.data.len()],
+                            rows: q.rows,
+                            cols: q.cols,
+                        };
+                        attention(&pool, &q, &kv, 0, bs, &queries, shape, &mut inv, isa, true);
+                        for (i, qa) in queries.iter().enumerate() {
+                            let one = CpuAct {
+                                data: q.row(i).to_vec(),
+                                rows: 1,
+                                cols: q.cols,
+                            };
+                            let mut o1 = CpuAct {
+                                data: vec![0.0; q.cols],
+                                rows: 1,
+                                cols: q.cols,
+                            };
+                            let qs = [*qa];
+                            attention(&pool, &one, &kv, 0, bs, &qs, shape, &mut o1, isa, false);
+                            assert_eq!(o1.data, inv.row(i), "{kt:?}/{vt:?} row {i}: not invariant");
+                            for (x, y) in o1.data.iter().zip(out.row(i)) {
+                                assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{x} {y}");
+                            }
+                        }
+                        got.push(out.data);
+                    }
+                    if got.len() == 2 {
+                        assert_eq!(got[0], got[1], "{kt:?}/{vt:?}: AVX2 and scalar differ");
+                    }
+                    let (mut kr, mut vr) = (vec![0f32; kvd], vec![0f32; kvd]);
+                    for (i, &(lo, pos)) in cases.iter().enumerate() {
+                        for h in 0..n_head {
+                            let g = h / (n_head / n_kv);
+                            let qh = &q.row(i)[h * hd..(h + 1) * hd];
+                            let mut sc = Vec::new();
+                            let mut vals = Vec::new();
+                            for p in lo..=pos {
+                                kv.key(0, slot(p), &mut kr);
+                                kv.value(0, slot(p), &mut vr);
+                                let s: f64 = kr[g * hd..(g + 1) * hd]
+                                    .iter()
+                                    .zip(qh)
+                                    .map(|(&a, &b)| a as f64 * b as f64)
+                                    .sum();
+                                sc.push(s * shape.scale as f64);
+                                vals.push(vr[g * hd..(g + 1) * hd].to_vec());
+                            }
+                            let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                            let e: Vec<f64> = sc.iter().map(|s| (s - m).exp()).collect();
+                            let z: f64 = e.iter().sum();
+                            for d in 0..hd {
+                                let want: f64 = e
+                                    .iter()
+                                    .zip(&vals)
+                                    .map(|(w, v)| w * v[d] as f64)
+                                    .sum::<f64>()
+                                    / z;
+                                let x = got[0][i * n_head * hd + h * hd + d] as f64;
+                                // The query's Q8_0 rounding moves scores by up to ~1% of |q||k|.
+                                let tol = if kt.is_quantized() { 0.03 } else { 1e-4 };
+                                assert!(
+                                    (x - want).abs() <= tol * (1.0 + want.abs()),
+                                    "{kt:?}/{vt:?} hd {hd} case {i} head {h} dim {d}: {x} vs {want}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
