@@ -53,6 +53,10 @@ struct Request {
 }
 
 impl Request {
+    fn has_constraint(&self) -> bool {
+        self.json_schema.is_some() || self.grammar.is_some() || self.regex.is_some()
+    }
+
     fn constraint(&self) -> Result<Option<ConstraintSpec>, String> {
         Ok(match (&self.json_schema, &self.grammar, &self.regex) {
             (None, None, None) => None,
@@ -193,11 +197,9 @@ pub fn batch(a: RunArgs) -> Result<()> {
     let parallel = (a.parallel as usize).min(entries.len()).max(1);
     let loaded = load_model_for(&a, parallel)?;
     let constrained = default.is_some()
-        || entries.iter().any(|e| {
-            e.request
-                .as_ref()
-                .is_ok_and(|r| !matches!(r.constraint(), Ok(None)))
-        });
+        || entries
+            .iter()
+            .any(|e| e.request.as_ref().is_ok_and(Request::has_constraint));
     let constraints = Constraints {
         default,
         grammars: if constrained {

@@ -58,6 +58,17 @@ impl Timed {
     }
 }
 
+/// The median of some runs (at least one).
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
 impl Summary {
     fn sorted(&self) -> Vec<f64> {
         let mut v = self.runs.clone();
@@ -65,13 +76,7 @@ impl Summary {
         v
     }
     fn median(&self) -> f64 {
-        let v = self.sorted();
-        let n = v.len();
-        if n % 2 == 1 {
-            v[n / 2]
-        } else {
-            (v[n / 2 - 1] + v[n / 2]) / 2.0
-        }
+        median(self.runs.clone())
     }
     fn min(&self) -> f64 {
         self.sorted()[0]

@@ -11,10 +11,12 @@ use std::time::Instant;
 use anyhow::Result;
 use serde_json::json;
 
-use crate::cli::args::BenchArgs;
+use crate::cli::args::{BenchArgs, ConstraintArgs};
+use crate::cli::bench::median;
+use crate::cli::constraint;
 use crate::cli::load::load;
 use crate::cli::{note, UsageError};
-use infer::engine::constraint::{ConstraintSpec, Grammars};
+use infer::engine::constraint::Grammars;
 use infer::engine::generate::{GenParams, GenStats};
 use infer::engine::request::RequestSpec;
 use infer::engine::runner::Sequence;
@@ -23,34 +25,17 @@ use infer::engine::scheduler::run_one;
 
 const PROMPT: &str = "Here is an example JSON document:\n";
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        return 0.0;
-    }
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 pub fn bench(a: BenchArgs, schema: &str) -> Result<()> {
-    let text = if schema.trim_start().starts_with('{') {
-        schema.to_string()
-    } else {
-        std::fs::read_to_string(schema)
-            .map_err(|e| UsageError(format!("--json-schema {schema}: {e}")))?
+    let flags = ConstraintArgs {
+        json_schema: Some(schema.to_string()),
+        ..ConstraintArgs::default()
     };
-    let schema: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| UsageError(format!("--json-schema: not JSON: {e}")))?;
+    let (_, spec) = constraint::spec(&flags)?.expect("a schema was given");
     let loaded = load(&a.model, Some(1024))?;
     let (tok, mut runner) = (loaded.tokenizer, loaded.runner);
     let t = Instant::now();
     let grammars = Grammars::new(&tok, runner.vocab_size())?;
     let vocab_secs = t.elapsed().as_secs_f64();
-    let spec = ConstraintSpec::JsonSchema(schema);
     let t = Instant::now();
     let constraint = grammars
         .compile(&spec)
@@ -118,7 +103,7 @@ pub fn bench(a: BenchArgs, schema: &str) -> Result<()> {
     if tokens < 2 {
         note!("infer: the constrained answer is {tokens} tokens long; its speed is not measured");
     }
-    let (free, held, mask) = (median(&mut free), median(&mut held), median(&mut mask_us));
+    let (free, held, mask) = (median(free), median(held), median(mask_us));
     let slower = if free > 0.0 { 1.0 - held / free } else { 0.0 };
     let mut out = std::io::stdout().lock();
     if a.json {

@@ -96,12 +96,15 @@ pub struct Request {
     pub lookup: Option<Lookup>,
     /// Structured output (taken from the spec's parameters): masks every step's logits.
     pub constraint: Option<Box<Constraint>>,
+    /// The constrained copy of a step's logits (reused from step to step).
+    masked: Vec<f32>,
 }
 
 impl Request {
     pub fn new(id: RequestId, mut spec: RequestSpec) -> Request {
         Request {
             constraint: spec.params.constraint.take(),
+            masked: Vec::new(),
             id,
             sampler: Sampler::new(spec.params.sampler.clone()),
             stops: StopMatcher::new(spec.params.stop.clone()),
@@ -141,16 +144,15 @@ impl Request {
             self.finish(StopReason::Length, out);
             return (None, false);
         }
-        let masked;
         let logits = match &mut self.constraint {
             Some(c) => {
-                let mut l = logits.to_vec();
-                if let Err(e) = c.apply(&mut l) {
+                self.masked.clear();
+                self.masked.extend_from_slice(logits);
+                if let Err(e) = c.apply(&mut self.masked) {
                     out.push(Event::Error(format!("{e:#}")));
                     return (None, false);
                 }
-                masked = l;
-                &masked[..]
+                &self.masked[..]
             }
             None => logits,
         };

@@ -15,7 +15,7 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::engine::constraint::ConstraintSpec;
+use crate::engine::constraint::{json_layout, ConstraintSpec};
 use crate::server::error::ApiError;
 use crate::server::params::ChatRequest;
 
@@ -191,11 +191,7 @@ fn calls_grammar(functions: &[&(String, Value)], parallel: bool) -> ConstraintSp
     } else {
         json!({"anyOf": calls})
     };
-    call["x-guidance"] = json!({
-        "whitespace_flexible": false,
-        "item_separator": ", ",
-        "key_separator": ": ",
-    });
+    call["x-guidance"] = json_layout();
     let start = if parallel {
         "start: call (\"\\n\" call)*"
     } else {

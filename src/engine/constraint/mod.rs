@@ -72,6 +72,16 @@ impl ConstraintSpec {
     }
 }
 
+/// llguidance's options for JSON output (see [`json_options`]), for schemas embedded elsewhere
+/// (a Lark grammar's `%json`).
+pub fn json_layout() -> Value {
+    serde_json::json!({
+        "whitespace_flexible": false,
+        "item_separator": ", ",
+        "key_separator": ": ",
+    })
+}
+
 /// JSON output is written compactly with one space after `:` and `,`: no free whitespace, so a
 /// small model cannot wander into an endless run of spaces or newlines.
 fn json_options(mut schema: Value) -> Result<Value, String> {
@@ -80,14 +90,7 @@ fn json_options(mut schema: Value) -> Result<Value, String> {
             if map.contains_key("x-guidance") {
                 return Err("the schema may not set 'x-guidance'".into());
             }
-            map.insert(
-                "x-guidance".into(),
-                serde_json::json!({
-                    "whitespace_flexible": false,
-                    "item_separator": ", ",
-                    "key_separator": ": ",
-                }),
-            );
+            map.insert("x-guidance".into(), json_layout());
         }
         Value::Bool(_) => {}
         other => {
