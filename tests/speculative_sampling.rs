@@ -114,6 +114,7 @@ fn config(seed: u64) -> SamplerConfig {
         presence_penalty: 0.0,
         frequency_penalty: 0.0,
         seed,
+        dry: None,
     }
 }
 
@@ -265,6 +266,7 @@ fn engine_config(seed: u64) -> SamplerConfig {
         presence_penalty: 0.0,
         frequency_penalty: 0.0,
         seed,
+        dry: None,
     }
 }
 

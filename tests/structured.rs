@@ -166,6 +166,82 @@ fn speculation_and_batching_keep_constrained_greedy_output() {
     assert_eq!(lines[1]["text"], plain.as_str(), "in a batch");
 }
 
+/// A JSON answer cut short by its token budget still parses and validates: near the end of the
+/// budget the constraint closes what is open (stop reason `length`), in a batch and through the
+/// single-sequence loop with and without self-speculation, with the same greedy tokens.
+#[test]
+fn json_closes_inside_the_token_budget() {
+    let schema = serde_json::json!({"type": "object", "properties": {
+        "title": {"type": "string"},
+        "chapters": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string"}, "text": {"type": "string"}}, "required": ["name", "text"]}}},
+        "required": ["title", "chapters"]});
+    let prompt = "A very long novel as JSON, every chapter in full:\n";
+    let model = gemma();
+    let dir = common::scratch("structured_budget");
+    let batch = dir.join("batch.jsonl");
+    let budgets = [16usize, 24, 40, 64];
+    let lines: String = budgets
+        .iter()
+        .map(|n| {
+            let l = serde_json::json!({"prompt": prompt, "json_schema": schema, "max_tokens": n, "temperature": 0});
+            format!("{l}\n")
+        })
+        .collect();
+    std::fs::write(&batch, lines).unwrap();
+    let o = common::infer(
+        &["run", "-m", &model, "--batch-file", batch.to_str().unwrap()],
+        None,
+    );
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let results: Vec<serde_json::Value> = common::stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for (n, r) in budgets.iter().zip(&results) {
+        let text = r["text"].as_str().unwrap();
+        let v: serde_json::Value = serde_json::from_str(text)
+            .unwrap_or_else(|e| panic!("budget {n}: not JSON ({e}): {text}"));
+        assert!(
+            v["title"].is_string() && v["chapters"].is_array(),
+            "budget {n}: {text}"
+        );
+        for c in v["chapters"].as_array().unwrap() {
+            assert!(
+                c["name"].is_string() && c["text"].is_string(),
+                "budget {n}: {text}"
+            );
+        }
+        assert!(r["generated_tokens"].as_u64().unwrap() <= *n as u64, "{r}");
+        assert_eq!(r["stop"], "length", "budget {n}: {r}");
+        // The single-sequence loop, plain and self-speculating, closes the same way.
+        let n = n.to_string();
+        let schema = schema.to_string();
+        for extra in [&["--context-shift"][..], &["--self-draft", "4"]] {
+            let args = [
+                &[
+                    "run",
+                    "-m",
+                    &model,
+                    "-p",
+                    prompt,
+                    "--json-schema",
+                    &schema,
+                    "--temp",
+                    "0",
+                    "-n",
+                    &n,
+                ][..],
+                extra,
+            ]
+            .concat();
+            let o = common::infer(&args, None);
+            assert!(o.status.success(), "{}", common::stderr(&o));
+            assert_eq!(common::stdout(&o), text, "budget {n}, {extra:?}");
+        }
+    }
+}
+
 #[test]
 fn bad_constraints_exit_2_saying_where_and_why() {
     let dir = common::scratch("structured_bad");

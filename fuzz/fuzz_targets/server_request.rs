@@ -3,6 +3,9 @@
 //! settings answer a value or an `ApiError` (a 4xx), never panic.
 #![no_main]
 
+use std::sync::Arc;
+
+use infer::engine::dry::DryBreakers;
 use infer::server::params::{self, ChatRequest, CompletionRequest, Defaults};
 use infer::server::tools;
 use libfuzzer_sys::fuzz_target;
@@ -10,6 +13,7 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|data: &[u8]| {
     let defaults = Defaults {
         sampler: Default::default(),
+        dry: Default::default(),
         seed: Some(1),
         max_tokens: None,
     };
@@ -20,11 +24,20 @@ fuzz_target!(|data: &[u8]| {
         if let Some(m) = &r.messages {
             let _ = params::template_messages(m);
         }
-        let _ = r.sampling.settings(&defaults, data.len() % 300, 256, &[]);
+        let _ = r
+            .sampling
+            .settings(&defaults, data.len() % 300, 256, &[], |b| breakers(b));
     }
     if let Ok(r) = params::parse::<CompletionRequest>(data) {
         let _ = r
             .sampling
-            .settings(&defaults, 1, 4096, &["</s>".to_string()]);
+            .settings(&defaults, 1, 4096, &["</s>".to_string()], |b| breakers(b));
     }
 });
+
+/// A breaker set over a 300-token vocabulary whose token `i`'s text is `i` in decimal.
+fn breakers(strings: &[String]) -> Arc<DryBreakers> {
+    Arc::new(DryBreakers::new(strings.to_vec(), 300, |id| {
+        id.to_string().into_bytes()
+    }))
+}

@@ -1,12 +1,15 @@
 //! Argument definitions (clap derive). Defaults follow llama.cpp where a user would expect them to.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::cli::UsageError;
+use infer::engine::dry::{Dry, DryBreakers, DryParams};
 use infer::engine::sampler::SamplerConfig;
 use infer::model::backend::CacheType;
+use infer::tokenizer::Tokenizer;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -257,6 +260,28 @@ pub struct SamplingArgs {
         allow_negative_numbers = true
     )]
     pub frequency_penalty: f32,
+    /// DRY: penalize tokens that extend a repeat of earlier text by F·base^(length − allowed)
+    /// (0 = off; 0.8 is a common choice)
+    #[arg(long, value_name = "F", default_value_t = 0.0)]
+    pub dry_multiplier: f32,
+    /// DRY: growth of the penalty per token of repeat
+    #[arg(long, value_name = "B", default_value_t = 1.75)]
+    pub dry_base: f32,
+    /// DRY: repeats up to N tokens long are free
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub dry_allowed_length: usize,
+    /// DRY: tokens searched for repeats (-1 = everything, 0 = off)
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 64,
+        allow_negative_numbers = true
+    )]
+    pub dry_penalty_last_n: i64,
+    /// DRY: a string no repeat may cross (repeatable; replaces the defaults \n : \" *; "none"
+    /// for no breakers)
+    #[arg(long, value_name = "STRING")]
+    pub dry_sequence_breaker: Vec<String>,
     /// Random seed (default: from the clock)
     #[arg(long)]
     pub seed: Option<u64>,
@@ -280,6 +305,9 @@ impl SamplingArgs {
                 return Err(UsageError(format!("{flag} must be within -2..2, got {v}")));
             }
         }
+        self.dry_params()
+            .check(|f| format!("--dry-{}", f.replace('_', "-")))
+            .map_err(UsageError)?;
         Ok(SamplerConfig {
             temperature: self.temp,
             top_k: self.top_k,
@@ -291,6 +319,32 @@ impl SamplingArgs {
             seed: self.seed.unwrap_or_else(SamplerConfig::entropy_seed),
             ..SamplerConfig::default()
         })
+    }
+
+    /// The DRY flags (checked by [`SamplingArgs::config`]).
+    pub fn dry_params(&self) -> DryParams {
+        let breakers = match self.dry_sequence_breaker.as_slice() {
+            [] => DryParams::default().breakers,
+            [none] if none == "none" => Vec::new(),
+            given => given.to_vec(),
+        };
+        DryParams {
+            multiplier: self.dry_multiplier,
+            base: self.dry_base,
+            allowed_length: self.dry_allowed_length,
+            penalty_last_n: self.dry_penalty_last_n,
+            breakers,
+        }
+    }
+
+    /// The sampler's DRY penalty over `tok`'s vocabulary (`None` when off): call once the model
+    /// is loaded.
+    pub fn dry(&self, tok: &Tokenizer) -> Option<Arc<Dry>> {
+        let p = self.dry_params();
+        if !p.active() {
+            return None;
+        }
+        p.with_breakers(Arc::new(DryBreakers::of(p.breakers.clone(), tok)))
     }
 }
 

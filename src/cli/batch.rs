@@ -190,12 +190,13 @@ impl Constraints {
 }
 
 pub fn batch(a: RunArgs) -> Result<()> {
-    let base = a.sampling.config()?;
+    let mut base = a.sampling.config()?;
     let path = a.batch_file.clone().expect("dispatched on --batch-file");
     let entries = read_entries(&path)?;
     let default = constraint::spec(&a.constraint)?.map(|(_, s)| s);
     let parallel = (a.parallel as usize).min(entries.len()).max(1);
     let loaded = load_model_for(&a, parallel)?;
+    base.dry = a.sampling.dry(&loaded.tokenizer);
     let constrained = default.is_some()
         || entries
             .iter()

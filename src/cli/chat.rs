@@ -410,12 +410,13 @@ fn history_path() -> Option<PathBuf> {
 }
 
 pub fn chat(a: ChatArgs) -> Result<()> {
-    let sampler = a.sampling.config()?;
+    let mut sampler = a.sampling.config()?;
     let constraint = constraint::spec(&a.constraint)?;
     let loaded = progress::with_spinner(format!("loading {}", a.model.model.display()), || {
         load(&a.model, a.ctx)
     })?;
     let format = prompt_format(&loaded.gguf, &loaded.tokenizer, a.chat_template.as_deref())?;
+    sampler.dry = a.sampling.dry(&loaded.tokenizer);
     let stop = format.stop_strings();
     let params = GenParams {
         max_tokens: a.max_tokens,

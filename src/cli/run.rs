@@ -119,7 +119,7 @@ fn token_line(tok: &Tokenizer, e: &TokenEvent<'_>) -> Value {
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
-    let sampler = a.sampling.config()?;
+    let mut sampler = a.sampling.config()?;
     let prompt_text = match (&a.prompt, &a.prompt_ids) {
         (_, Some(_)) => None,
         (Some(p), None) if p != "-" => Some(p.clone()),
@@ -142,6 +142,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         (None, Some(text)) => prompt_tokens(&loaded, &a, text)?,
         (None, None) => unreachable!("one of prompt or ids is set above"),
     };
+    sampler.dry = a.sampling.dry(&loaded.tokenizer);
     let (tok, mut runner, gguf) = (loaded.tokenizer, loaded.runner, loaded.gguf);
     let params = GenParams {
         max_tokens: a.max_tokens,

@@ -154,6 +154,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         body_limit: a.body_limit,
         defaults: Defaults {
             sampler,
+            dry: a.sampling.dry_params(),
             seed: a.sampling.seed,
             max_tokens: a.max_tokens,
         },

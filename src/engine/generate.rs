@@ -220,7 +220,7 @@ pub fn generate_with<B: Backend>(
                 Some(d) => d,
                 None => {
                     if let Some(c) = &mut constraint {
-                        c.apply(&mut logits)?;
+                        c.apply_within(&mut logits, params.max_tokens - generated)?;
                     }
                     sampler.sample(&logits, &seq.tokens[..emitted_base + generated - shifted])
                 }
@@ -230,7 +230,7 @@ pub fn generate_with<B: Backend>(
             c.commit(id)?;
         }
         if tok.is_eog(id) && (!params.ignore_eos || constraint.is_some()) {
-            break StopReason::Eos;
+            break structure_end(constraint.as_deref());
         }
         let logprobs = hooks.logprobs.map(|n| {
             let (logprob, top) = log_softmax_top(&logits, id, n);
@@ -252,7 +252,7 @@ pub fn generate_with<B: Backend>(
         }
         if constraint.as_deref().is_some_and(Constraint::is_finished) {
             // The structure is complete and nothing may follow: end as the model would.
-            break StopReason::Eos;
+            break structure_end(constraint.as_deref());
         }
         if generated >= params.max_tokens {
             break StopReason::Length;
@@ -313,4 +313,14 @@ pub fn generate_with<B: Backend>(
         gen_secs: t1.elapsed().as_secs_f64(),
         stop,
     })
+}
+
+/// Why generation ends at the end of the structure (or at an end token): `Length` when the
+/// budget made the constraint close it early.
+fn structure_end(c: Option<&Constraint>) -> StopReason {
+    if c.is_some_and(Constraint::closed_by_budget) {
+        StopReason::Length
+    } else {
+        StopReason::Eos
+    }
 }

@@ -128,6 +128,20 @@ impl Request {
         self.generated
     }
 
+    /// Why generation ends at the end of the structure (or at an end token): `Length` when the
+    /// budget made the constraint close it early.
+    fn structure_end(&self) -> StopReason {
+        if self
+            .constraint
+            .as_deref()
+            .is_some_and(Constraint::closed_by_budget)
+        {
+            StopReason::Length
+        } else {
+            StopReason::Eos
+        }
+    }
+
     /// Takes the logits after the last token of `history` (prompt and generated tokens), samples
     /// the next token and reports it. Returns the token to append to the sequence (none for an
     /// end-of-generation token) and whether the request goes on; once it does not, its `Done` is
@@ -148,7 +162,8 @@ impl Request {
             Some(c) => {
                 self.masked.clear();
                 self.masked.extend_from_slice(logits);
-                if let Err(e) = c.apply(&mut self.masked) {
+                let remaining = self.spec.params.max_tokens - self.generated;
+                if let Err(e) = c.apply_within(&mut self.masked, remaining) {
                     out.push(Event::Error(format!("{e:#}")));
                     return (None, false);
                 }
@@ -165,7 +180,7 @@ impl Request {
             }
         }
         if tok.is_eog(id) && (!self.spec.params.ignore_eos || self.constraint.is_some()) {
-            self.finish(StopReason::Eos, out);
+            self.finish(self.structure_end(), out);
             return (None, false);
         }
         let logprobs = self.spec.logprobs.map(|n| {
@@ -184,7 +199,7 @@ impl Request {
             .is_some_and(Constraint::is_finished)
         {
             // The structure is complete and nothing may follow: end as the model would.
-            StopReason::Eos
+            self.structure_end()
         } else if self.generated >= self.spec.params.max_tokens {
             StopReason::Length
         } else if !room {

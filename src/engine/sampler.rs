@@ -2,7 +2,7 @@
 //! temperature and the seeded draw.
 //!
 //! Owns the sampler chain and its random state. The chain follows llama.cpp's default order and
-//! definitions: penalties → top-k → (typical: off) → top-p → min-p → temperature → dist, so
+//! definitions: penalties → DRY → top-k → (typical: off) → top-p → min-p → temperature → dist, so
 //! top-p and min-p see the temperature-1 distribution of the penalised logits, and temperature
 //! only reshapes what survives. `temperature <= 0` is greedy argmax over the penalised logits
 //! with ties going to the lowest id.
@@ -14,6 +14,9 @@
 //! `f32::MAX`) so softmax never produces NaN; `sample` reuses buffers owned by the `Sampler`.
 
 use std::cmp::Ordering;
+use std::sync::Arc;
+
+use crate::engine::dry::{Dry, DryScratch};
 
 /// Sampling parameters. `Default` gives llama.cpp's defaults.
 #[derive(Clone, Debug)]
@@ -40,6 +43,8 @@ pub struct SamplerConfig {
     pub frequency_penalty: f32,
     /// RNG seed; the same seed, config and inputs give the same tokens.
     pub seed: u64,
+    /// The DRY repetition penalty (after the penalties above); `None` = off.
+    pub dry: Option<Arc<Dry>>,
 }
 
 impl Default for SamplerConfig {
@@ -54,6 +59,7 @@ impl Default for SamplerConfig {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: 0x5eed,
+            dry: None,
         }
     }
 }
@@ -183,6 +189,7 @@ struct Scratch {
     mass: Vec<f64>,
     /// Top-p candidates of the bucket holding the cut.
     boundary: Vec<Cand>,
+    dry: DryScratch,
 }
 
 /// What the chain leaves to draw from.
@@ -425,6 +432,9 @@ fn run_chain(cfg: &SamplerConfig, logits: &[f32], history: &[u32], s: &mut Scrat
             *l = sanitize(v);
         }
     }
+    if let Some(d) = &cfg.dry {
+        d.apply(&mut s.work, history, &mut s.dry);
+    }
 
     if cfg.temperature <= 0.0 {
         return Chain::Greedy(argmax(&s.work) as u32);
@@ -646,7 +656,32 @@ mod tests {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: 1234,
+            dry: None,
         }
+    }
+
+    #[test]
+    fn dry_runs_after_the_penalties_and_before_greedy() {
+        use crate::engine::dry::{DryBreakers, DryParams};
+        // Ids 0..4 with no breakers; the history repeats `0 1 2` and ends in `0 1`: 2 would extend
+        // a repeat of length 2 and loses multiplier * base^0 = 0.8.
+        let breakers = std::sync::Arc::new(DryBreakers::new(Vec::new(), 4, |_| b"x".to_vec()));
+        let p = DryParams {
+            multiplier: 0.8,
+            ..DryParams::default()
+        };
+        let mut c = cfg(0.0, 0, 1.0, 0.0);
+        let logits = [0.0, 0.0, 1.0, 0.5];
+        let history = [0, 1, 2, 3, 0, 1];
+        assert_eq!(Sampler::new(c.clone()).sample(&logits, &history), 2);
+        c.dry = p.with_breakers(breakers);
+        assert_eq!(Sampler::new(c.clone()).sample(&logits, &history), 3);
+        // The distribution sees the same penalised logits.
+        c.temperature = 1.0;
+        let d = Sampler::new(c).distribution(&logits, &history);
+        let p2 = d.iter().find(|x| x.0 == 2).unwrap().1;
+        let p3 = d.iter().find(|x| x.0 == 3).unwrap().1;
+        assert!((p3 / p2 - (0.5f32 - 0.2).exp()).abs() < 1e-4, "{d:?}");
     }
 
     /// Deterministic pseudo-random logits in [-8, 8).

@@ -244,7 +244,7 @@ impl Speculator {
         let mut rows = rows.split_off(rows.len() - (n + 1));
         if let Some(c) = constraint {
             // Each row is verified against the distribution the constraint leaves there.
-            c.mask_rows(&draft.tokens, &mut rows)?;
+            c.mask_rows(&draft.tokens, &mut rows, room)?;
         }
         let v = verify::verify(
             sampler,

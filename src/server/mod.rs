@@ -28,6 +28,7 @@ use anyhow::{Context, Result};
 
 use crate::chat::PromptFormat;
 use crate::engine::constraint::{Constraint, ConstraintSpec, Grammars};
+use crate::engine::dry::DryBreakers;
 use crate::engine::load::Loaded;
 use crate::engine::request::LookupSpec;
 use crate::engine::scheduler::{Reuse, SchedulerConfig};
@@ -73,6 +74,9 @@ pub struct Ready {
     pub grammars: OnceLock<Result<Grammars, String>>,
     /// The model's output row width.
     pub n_logits: usize,
+    /// DRY's breaker set for the server's default breakers (built at the first request that
+    /// uses it).
+    pub dry_breakers: OnceLock<Arc<DryBreakers>>,
 }
 
 impl Ready {
@@ -85,6 +89,16 @@ impl Ready {
         });
         let g = grammars.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(g.compile(spec)?)
+    }
+
+    /// DRY's breaker set for `strings`: the shared one when they are the server's defaults.
+    pub fn dry_breakers(&self, strings: &[String], defaults: &[String]) -> Arc<DryBreakers> {
+        let build = || tokio::task::block_in_place(|| DryBreakers::of(strings.to_vec(), &self.tok));
+        if strings == defaults {
+            self.dry_breakers.get_or_init(|| Arc::new(build())).clone()
+        } else {
+            Arc::new(build())
+        }
     }
 }
 
@@ -200,6 +214,7 @@ async fn serve_async(
                     engine: handle.clone(),
                     grammars: OnceLock::new(),
                     n_logits: runner.vocab_size(),
+                    dry_breakers: OnceLock::new(),
                 });
                 log(&format!(
                     "ready: http://{local}/ (chat page), http://{local}/v1"

@@ -4,9 +4,12 @@
 //! those whose meaning the server cannot honour yet, which are refused rather than silently
 //! dropped. Sampling fields left out take the server's defaults (`infer serve`'s flags).
 
+use std::sync::Arc;
+
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::engine::dry::{DryBreakers, DryParams};
 use crate::engine::generate::GenParams;
 use crate::engine::sampler::SamplerConfig;
 use crate::server::error::ApiError;
@@ -44,6 +47,11 @@ pub struct Sampling {
     pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub repeat_penalty: Option<f32>,
+    pub dry_multiplier: Option<f32>,
+    pub dry_base: Option<f32>,
+    pub dry_allowed_length: Option<u64>,
+    pub dry_penalty_last_n: Option<i64>,
+    pub dry_sequence_breakers: Option<Vec<String>>,
     pub ignore_eos: Option<bool>,
 }
 
@@ -99,6 +107,8 @@ pub fn parse<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T,
 #[derive(Clone, Debug)]
 pub struct Defaults {
     pub sampler: SamplerConfig,
+    /// `--dry-*`: the DRY penalty of requests that set none of its fields.
+    pub dry: DryParams,
     /// `--seed`: used by requests that give none (else each request draws its own).
     pub seed: Option<u64>,
     /// `--max-tokens`: the length limit of requests that give none (else up to the context).
@@ -114,6 +124,33 @@ pub struct Settings {
     pub include_usage: bool,
 }
 
+impl Sampling {
+    /// The request's DRY fields over the server's defaults, checked.
+    fn dry(&self, d: &DryParams) -> Result<DryParams, ApiError> {
+        let mut p = d.clone();
+        if let Some(x) = self.dry_multiplier {
+            p.multiplier = x;
+        }
+        if let Some(x) = self.dry_base {
+            p.base = x;
+        }
+        if let Some(x) = self.dry_allowed_length {
+            p.allowed_length = usize::try_from(x).unwrap_or(usize::MAX);
+        }
+        if let Some(x) = self.dry_penalty_last_n {
+            p.penalty_last_n = x;
+        }
+        if let Some(b) = &self.dry_sequence_breakers {
+            p.breakers = b.clone();
+        }
+        p.check(|f| format!("`dry_{f}`")).map_err(|e| {
+            let field = e.split('`').nth(1).unwrap_or("dry_multiplier").to_string();
+            ApiError::param(&field, e)
+        })?;
+        Ok(p)
+    }
+}
+
 fn range(name: &str, v: Option<f32>, lo: f32, hi: f32) -> Result<Option<f32>, ApiError> {
     match v {
         Some(x) if !(x.is_finite() && (lo..=hi).contains(&x)) => Err(ApiError::param(
@@ -126,14 +163,20 @@ fn range(name: &str, v: Option<f32>, lo: f32, hi: f32) -> Result<Option<f32>, Ap
 
 impl Sampling {
     /// The settings, for a prompt of `prompt_len` tokens in sequences of `seq_len` positions.
+    /// `breakers` matches DRY's sequence breakers against the vocabulary.
     pub fn settings(
         &self,
         d: &Defaults,
         prompt_len: usize,
         seq_len: usize,
         extra_stops: &[String],
+        breakers: impl FnOnce(&[String]) -> Arc<DryBreakers>,
     ) -> Result<Settings, ApiError> {
         let mut s = d.sampler.clone();
+        let dry = self.dry(&d.dry)?;
+        if dry.active() {
+            s.dry = dry.with_breakers(breakers(&dry.breakers));
+        }
         if let Some(t) = range("temperature", self.temperature, 0.0, 2.0)? {
             s.temperature = t;
         }

@@ -283,11 +283,13 @@ async fn chat(State(state): St, b: Result<Bytes, BytesRejection>) -> Result<Resp
         .tok
         .encode(&text, bos, true)
         .map_err(|e| ApiError::internal(format!("tokenizing the prompt: {e:#}")))?;
+    let defaults = &state.cfg.defaults;
     let mut settings = r.sampling.settings(
-        &state.cfg.defaults,
+        defaults,
         prompt.len(),
         ready.seq_len,
         &ready.format.stop_strings(),
+        |b| ready.dry_breakers(b, &defaults.dry.breakers),
     )?;
     if let Some(spec) = &plan.constraint {
         let field = if plan.tools == ToolMode::Required {
@@ -381,9 +383,12 @@ async fn completions(
         return Err(ApiError::param("prompt", "`prompt` is required"));
     };
     let prompt = completion_prompt(ready, p)?;
+    let defaults = &state.cfg.defaults;
     let settings = r
         .sampling
-        .settings(&state.cfg.defaults, prompt.len(), ready.seq_len, &[])?;
+        .settings(defaults, prompt.len(), ready.seq_len, &[], |b| {
+            ready.dry_breakers(b, &defaults.dry.breakers)
+        })?;
     let logprobs = match r.logprobs {
         Some(k) if k > 20 => return Err(ApiError::param("logprobs", "`logprobs` must be 0 to 20")),
         k => k.map(|k| k as usize),

@@ -207,6 +207,16 @@ def main():
     check("400 malformed JSON", st_ == 400 and is_error_shape(body), (st_, body))
     st_, _, body = raw(url, "/v1/chat/completions", {"messages": msgs, "temperature": "hot"}, a.api_key)
     check("400 wrong field type names it", st_ == 400 and body["error"]["param"] == "temperature", (st_, body))
+    st_, _, body = raw(url, "/v1/chat/completions", {"messages": msgs, "dry_base": 0.5}, a.api_key)
+    check("400 DRY base below 1 names it", st_ == 400 and body["error"]["param"] == "dry_base", (st_, body))
+    # DRY (llama.cpp's fields): a greedy loop is broken once the repeat is penalised.
+    loop = {"prompt": "a b c a b c a b c a b c a b c", "max_tokens": 12, "temperature": 0}
+    st_, _, plain = raw(url, "/v1/completions", loop, a.api_key)
+    st2, _, dry = raw(url, "/v1/completions", dict(loop, dry_multiplier=2.0, dry_allowed_length=2,
+                                                   dry_sequence_breakers=["\n"]), a.api_key)
+    check("DRY changes a looping greedy answer", st_ == 200 and st2 == 200
+          and plain["choices"][0]["text"].startswith(" a b c")
+          and not dry["choices"][0]["text"].startswith(" a b c"), (plain, dry))
     long_prompt = "hello " * (exp["ctx"] + 10)
     e = None
     try:

@@ -11,8 +11,11 @@
 //! [`Constraint::apply`] every token outside the constraint has logit `-inf`; the end of
 //! generation (every end-of-generation id of the tokenizer) is allowed only where the structure
 //! is complete, and is the only choice once nothing can follow; a token the constraint refuses
-//! is an error at [`Constraint::commit`], so a bug cannot produce invalid output silently.
+//! is an error at [`Constraint::commit`], so a bug cannot produce invalid output silently. JSON
+//! constraints also close their structure inside the token budget ([`Constraint::apply_within`],
+//! `closing`).
 
+mod closing;
 pub mod gbnf;
 mod vocab;
 
@@ -26,6 +29,7 @@ use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 
 use crate::tokenizer::Tokenizer;
+use closing::JsonScan;
 
 /// What the output must match.
 #[derive(Clone, Debug, PartialEq)]
@@ -173,8 +177,15 @@ impl Grammars {
                 clean(&e)
             )));
         }
+        let json = matches!(
+            spec,
+            ConstraintSpec::JsonSchema(_) | ConstraintSpec::JsonObject
+        );
         Ok(Constraint {
             matcher,
+            env: self.factory.tok_env().clone(),
+            json: json.then(JsonScan::default),
+            closed_by_budget: false,
             mask: None,
             eog: self.eog.clone(),
             trie_eos: self.factory.tok_env().tok_trie().eos_token(),
@@ -194,6 +205,11 @@ fn clean(msg: &str) -> String {
 /// independent (its own parser state).
 pub struct Constraint {
     matcher: Matcher,
+    env: TokEnv,
+    /// JSON constraints: where the output is (for closing inside the budget).
+    json: Option<JsonScan>,
+    /// The budget decided a token (the answer was shortened to fit).
+    closed_by_budget: bool,
     /// The mask for the next token, computed once per position.
     mask: Option<SimpleVob>,
     eog: Arc<[u32]>,
@@ -207,6 +223,9 @@ impl Clone for Constraint {
     fn clone(&self) -> Self {
         Constraint {
             matcher: self.matcher.deep_clone(),
+            env: self.env.clone(),
+            json: self.json,
+            closed_by_budget: self.closed_by_budget,
             mask: self.mask.clone(),
             eog: self.eog.clone(),
             trie_eos: self.trie_eos,
@@ -279,6 +298,48 @@ impl Constraint {
         Ok(())
     }
 
+    /// [`apply`](Self::apply) for a step with `remaining` tokens of budget left (this one
+    /// included): a JSON output that could not otherwise close in time keeps only the token that
+    /// closes the most (`closing`).
+    pub fn apply_within(&mut self, logits: &mut [f32], remaining: usize) -> Result<()> {
+        self.apply(logits)?;
+        let Some(scan) = self.json else {
+            return Ok(());
+        };
+        if remaining > closing::margin(scan.depth()) {
+            return Ok(());
+        }
+        let end = self
+            .eog
+            .iter()
+            .copied()
+            .find(|&e| logits.get(e as usize).is_some_and(|l| l.is_finite()));
+        let trie = self.env.tok_trie();
+        let keep = end.or_else(|| {
+            closing::closing_choice(scan, logits, |id| {
+                if self.eog.binary_search(&id).is_ok() || trie.is_special_token(id) {
+                    &[]
+                } else {
+                    trie.token(id)
+                }
+            })
+        });
+        if let Some(keep) = keep {
+            for (id, l) in logits.iter_mut().enumerate() {
+                if id as u32 != keep {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            self.closed_by_budget = true;
+        }
+        Ok(())
+    }
+
+    /// Whether the budget shortened the output (see [`apply_within`](Self::apply_within)).
+    pub fn closed_by_budget(&self) -> bool {
+        self.closed_by_budget
+    }
+
     /// Whether `id` is allowed at the current position (for checking drafts).
     pub fn allows(&mut self, id: u32) -> Result<bool> {
         self.prepare()?;
@@ -300,6 +361,9 @@ impl Constraint {
         if self.eog.binary_search(&id).is_ok() {
             return Ok(());
         }
+        if let Some(scan) = &mut self.json {
+            *scan = scan.after(self.env.tok_trie().token(id));
+        }
         self.matcher
             .consume_token(id)
             .map_err(|e| anyhow!("constraint: {}", clean(&e.to_string())))
@@ -320,12 +384,19 @@ impl Constraint {
     }
 
     /// Masks `rows` for verifying `draft` (which must be [`accepted_prefix`](Self::accepted_prefix)
-    /// of itself): row `i` gets the mask after `draft[..i]`. The state is left as it was.
-    pub fn mask_rows(&mut self, draft: &[u32], rows: &mut [Vec<f32>]) -> Result<()> {
+    /// of itself): row `i` gets the mask after `draft[..i]`, with `remaining - i` tokens of budget
+    /// left. The state is left as it was.
+    pub fn mask_rows(
+        &mut self,
+        draft: &[u32],
+        rows: &mut [Vec<f32>],
+        remaining: usize,
+    ) -> Result<()> {
+        let (scan, closed) = (self.json, self.closed_by_budget);
         let mut committed = 0;
         let mut result = Ok(());
         for (i, row) in rows.iter_mut().enumerate() {
-            result = self.apply(row);
+            result = self.apply_within(row, remaining.saturating_sub(i).max(1));
             if result.is_err() || i == draft.len() {
                 break;
             }
@@ -335,6 +406,7 @@ impl Constraint {
             }
             committed += 1;
         }
+        (self.json, self.closed_by_budget) = (scan, closed);
         if committed > 0 {
             self.mask = None;
             self.matcher
@@ -415,7 +487,7 @@ mod tests {
             "'abab' + 'a' fits, a second 'a' not"
         );
         let mut rows = vec![vec![0.0f32; 14]; 3];
-        c.mask_rows(&[7, 9], &mut rows).unwrap();
+        c.mask_rows(&[7, 9], &mut rows, 100).unwrap();
         let ok = |r: &Vec<f32>| (0..14).filter(|&i| r[i] == 0.0).collect::<Vec<_>>();
         assert_eq!(ok(&rows[0]), [7, 9], "first: 'a' or 'ab'");
         assert_eq!(

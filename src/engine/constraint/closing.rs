@@ -1,0 +1,141 @@
+//! Ending JSON inside the token budget: when the tokens left would barely close what is open,
+//! each step takes the allowed token that closes the most.
+//!
+//! A JSON constraint keeps a scan of its output (containers open, inside a string or not). Once
+//! the budget left is at most [`margin`] of the open depth, the masked logits are cut to one
+//! token: end of generation where the schema allows it, else the allowed token that leaves the
+//! least open (a string counts as one level), then by how it ends: a value closed (`"`, `}` or
+//! `]`), a key (`:`), a separator (`,`, which asks for more), anything else (inside a number or
+//! a word), then the model's own preference (highest logit, lowest id on ties). The schema's mask still decides what is
+//! allowed, so the output stays valid; what this changes is that a model running on in a long
+//! string or a deep object ends with a shorter instance instead of being cut mid-structure.
+//!
+//! Invariants: the scan follows exactly the bytes of the committed tokens; nothing changes
+//! before the budget gets close, so outputs that end on their own are untouched.
+
+/// Where a JSON text is: open containers and whether inside a string (and after a backslash).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct JsonScan {
+    containers: u32,
+    in_string: bool,
+    escaped: bool,
+}
+
+impl JsonScan {
+    /// The scan after `bytes`.
+    pub fn after(mut self, bytes: &[u8]) -> JsonScan {
+        for &b in bytes {
+            if self.in_string {
+                match (self.escaped, b) {
+                    (true, _) => self.escaped = false,
+                    (false, b'\\') => self.escaped = true,
+                    (false, b'"') => self.in_string = false,
+                    _ => {}
+                }
+            } else {
+                match b {
+                    b'"' => self.in_string = true,
+                    b'{' | b'[' => self.containers += 1,
+                    b'}' | b']' => self.containers = self.containers.saturating_sub(1),
+                    _ => {}
+                }
+            }
+        }
+        self
+    }
+
+    /// Levels left open: containers, and the string if inside one.
+    pub fn depth(&self) -> u32 {
+        self.containers + u32::from(self.in_string)
+    }
+}
+
+/// Closing starts when at most this many tokens are left for a text open `depth` levels deep.
+pub fn margin(depth: u32) -> usize {
+    4 * depth as usize + 24
+}
+
+/// The token to take while closing: among `allowed` ids (finite logits in `logits`) with their
+/// bytes from `bytes`, the one that leaves `scan` least open (see the module doc).
+pub fn closing_choice<'a>(
+    scan: JsonScan,
+    logits: &[f32],
+    bytes: impl Fn(u32) -> &'a [u8],
+) -> Option<u32> {
+    let mut best: Option<(u32, u8, f32, u32)> = None;
+    for (id, &l) in logits.iter().enumerate() {
+        if !l.is_finite() {
+            continue;
+        }
+        let b = bytes(id as u32);
+        if b.is_empty() {
+            continue;
+        }
+        let next = scan.after(b);
+        let ends = match b.last() {
+            _ if next.in_string => 3u8,
+            Some(b'"' | b'}' | b']') => 0,
+            Some(b':') => 1,
+            Some(b',') => 2,
+            _ => 3,
+        };
+        let key = (next.depth(), ends, l, id as u32);
+        let better = match best {
+            None => true,
+            Some((d, s, bl, _)) => (key.0, key.1) < (d, s) || ((key.0, key.1) == (d, s) && l > bl),
+        };
+        if better {
+            best = Some(key);
+        }
+    }
+    best.map(|b| b.3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scan_follows_strings_escapes_and_containers() {
+        let s = JsonScan::default().after(br#"{"a": ["x\"}", {"#);
+        assert_eq!((s.containers, s.in_string), (3, false));
+        let s = s.after(br#""b\\"#);
+        assert!(s.in_string && !s.escaped);
+        assert_eq!(s.depth(), 4);
+        let s = s.after(br#"\""#);
+        assert!(s.in_string, "an escaped quote does not close");
+        assert_eq!(s.after(br#""}]}"#).depth(), 0);
+    }
+
+    #[test]
+    fn choice_closes_first_then_prefers_structure_then_the_model() {
+        let vocab: Vec<&[u8]> = vec![b"abc", b"\"", b"\"}", b"1", b",", b"}", b" \"\",", b" \"\""];
+        let bytes = |id: u32| vocab[id as usize];
+        let inf = f32::NEG_INFINITY;
+        // Inside a string in an object: `"}` closes both.
+        let s = JsonScan::default().after(b"{\"k\": \"v");
+        assert_eq!(
+            closing_choice(s, &[9.0, 1.0, 0.5, 0.0, 0.0, 0.0, inf, inf], bytes),
+            Some(2)
+        );
+        // `"}` forbidden: `"` still beats the model's favourite.
+        assert_eq!(
+            closing_choice(s, &[9.0, 1.0, inf, 0.0, 0.0, 0.0, inf, inf], bytes),
+            Some(1)
+        );
+        // In a number where `}` is not allowed: `,` over more digits, whatever the logits.
+        let s = JsonScan::default().after(b"{\"k\": 1");
+        assert_eq!(
+            closing_choice(s, &[inf, inf, inf, 5.0, 1.0, inf, inf, inf], bytes),
+            Some(4)
+        );
+        // After a key: an empty string value over one that asks for another member.
+        let s = JsonScan::default().after(b"{\"k\":");
+        assert_eq!(
+            closing_choice(s, &[inf, inf, inf, inf, inf, inf, 9.0, 1.0], bytes),
+            Some(7)
+        );
+        // Nothing allowed: no choice.
+        assert_eq!(closing_choice(s, &[inf; 8], bytes), None);
+    }
+}
