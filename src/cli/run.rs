@@ -142,6 +142,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         (None, Some(text)) => prompt_tokens(&loaded, &a, text)?,
         (None, None) => unreachable!("one of prompt or ids is set above"),
     };
+    infer::trace::mark("prompt tokenized");
     let (tok, mut runner, gguf) = (loaded.tokenizer, loaded.runner, loaded.gguf);
     let params = GenParams {
         max_tokens: a.max_tokens,
@@ -168,6 +169,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut first = true;
     let mut emit = |e: TokenEvent<'_>| -> Result<()> {
         if std::mem::take(&mut first) {
+            infer::trace::mark("first token");
             if let Some(b) = &bar {
                 b.finish_and_clear();
             }
