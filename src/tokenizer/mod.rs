@@ -212,16 +212,16 @@ fn key(suffix: &str) -> String {
 /// The strings of an array-of-strings key, borrowed from the file.
 fn string_array<'a>(g: &'a Gguf, suffix: &str) -> Result<Option<Vec<&'a str>>> {
     let k = key(suffix);
-    let Some(v) = g.get(&k) else { return Ok(None) };
-    let arr = v
-        .as_array()
-        .ok_or_else(|| anyhow!("{k}: expected an array of strings"))?;
-    arr.iter()
+    let Some(strings) = g.strings(&k) else {
+        return match g.get(&k) {
+            None => Ok(None),
+            Some(_) => Err(anyhow!("{k}: expected an array of strings")),
+        };
+    };
+    strings
+        .iter()
         .enumerate()
-        .map(|(i, v)| match v {
-            Value::String(s) => Ok(s.as_str()),
-            _ => Err(anyhow!("{k}[{i}]: expected a string")),
-        })
+        .map(|(i, s)| s.ok_or_else(|| anyhow!("{k}[{i}]: expected a string")))
         .collect::<Result<Vec<_>>>()
         .map(Some)
 }
@@ -300,16 +300,15 @@ impl<'a> TokenizerSpec<&'a str> {
         };
         let tokens =
             string_array(g, "tokens")?.ok_or_else(|| anyhow!("{}: missing", key("tokens")))?;
-        let scores = match g.get(&key("scores")) {
-            None => None,
-            Some(v) => {
+        let scores = match g.contains_key(&key("scores")) {
+            false => None,
+            true => {
                 let k = key("scores");
-                let arr = v
-                    .as_array()
+                let arr = g
+                    .values(&k)
                     .ok_or_else(|| anyhow!("{k}: expected an array"))?;
                 Some(
-                    arr.iter()
-                        .enumerate()
+                    arr.enumerate()
                         .map(|(i, v)| match v {
                             Value::F32(_) | Value::I32(_) => v
                                 .as_f32()
@@ -320,16 +319,15 @@ impl<'a> TokenizerSpec<&'a str> {
                 )
             }
         };
-        let token_types = match g.get(&key("token_type")) {
-            None => None,
-            Some(v) => {
+        let token_types = match g.contains_key(&key("token_type")) {
+            false => None,
+            true => {
                 let k = key("token_type");
-                let arr = v
-                    .as_array()
+                let arr = g
+                    .values(&k)
                     .ok_or_else(|| anyhow!("{k}: expected an array"))?;
                 Some(
-                    arr.iter()
-                        .enumerate()
+                    arr.enumerate()
                         .map(|(i, v)| {
                             v.as_i64()
                                 .ok_or_else(|| anyhow!("{k}[{i}]: expected an integer"))
