@@ -71,14 +71,13 @@ pub struct Copies {
 pub const HOLD_BYTES: usize = 32 << 20;
 
 impl Copies {
-    /// The plain copy when there is one; while the background thread is making it, waits for it.
+    /// The plain copy when there is one; while the background thread is making it, waits for it
+    /// (polling, so that a copy that fails, which clears `moving`, frees its readers too).
     pub fn resident_or_wait(&self) -> Option<&Region> {
-        if let Some(r) = self.resident.get() {
-            return Some(r);
+        while self.resident.get().is_none() && self.moving.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_micros(100));
         }
-        self.moving
-            .load(Ordering::Acquire)
-            .then(|| self.resident.wait())
+        self.resident.get()
     }
 
     /// The packed copy: on huge pages when moved there, else in the pack file, else `None`.
@@ -215,7 +214,12 @@ impl Deferred {
                     let _ = me.changed.wait_timeout_while(st, GATE_TIMEOUT, |st| !st.0);
                 }
                 crate::trace::mark("copies start");
-                promote(jobs, &arena);
+                // A failed copy (no memory for a mapping) leaves its matrix read from the file;
+                // `done` must still come, or a benchmark's `wait` would wait for ever.
+                let promoted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    promote(jobs, &arena)
+                }));
+                drop(promoted);
                 crate::trace::mark("copies done");
                 me.done();
             });
@@ -516,9 +520,17 @@ fn promote(jobs: Vec<Job>, arena: &Arena) {
                 len,
             } => {
                 let src = &file.tensor_data(&file.tensors[index])[offset..offset + len];
-                if len >= HOLD_BYTES {
-                    copies.moving.store(true, Ordering::Release);
+                /// Clears `moving` however the copy ends (a panic included).
+                struct Moving<'a>(&'a AtomicBool);
+                impl Drop for Moving<'_> {
+                    fn drop(&mut self) {
+                        self.0.store(false, Ordering::Release);
+                    }
                 }
+                let _moving = (len >= HOLD_BYTES).then(|| {
+                    copies.moving.store(true, Ordering::Release);
+                    Moving(&copies.moving)
+                });
                 let region = copy_releasing(arena, src, |piece| file.release(piece));
                 let _ = copies.resident.set(region);
                 file.release(src);
