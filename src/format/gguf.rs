@@ -561,12 +561,7 @@ impl Gguf {
                 Some(Strings::InPlace { bytes, at, count })
             }
             Some(_) => None,
-            None => self
-                .metadata
-                .get(i)?
-                .1
-                .as_array()
-                .map(|a| Strings::Values(a)),
+            None => self.metadata.get(i)?.1.as_array().map(Strings::Values),
         }
     }
 
