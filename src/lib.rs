@@ -21,3 +21,4 @@ pub mod model;
 pub mod quant;
 pub mod server;
 pub mod tokenizer;
+pub mod trace;

@@ -159,6 +159,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         } / 1e9)
     };
     measure_bandwidth(&runner)?; // warm the pages
+                                 // The copies a fast start leaves to a background thread: measure the steady state.
+    runner.model.backend.cpu.wait_copies();
     let mut bandwidth = Summary {
         name: "bandwidth".into(),
         runs: Vec::new(),

@@ -66,6 +66,7 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 }
 
 pub fn main() -> ExitCode {
+    infer::trace::mark("main");
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

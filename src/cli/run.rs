@@ -143,6 +143,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         (None, None) => unreachable!("one of prompt or ids is set above"),
     };
     sampler.dry = a.sampling.dry(&loaded.tokenizer);
+    infer::trace::mark("prompt tokenized");
     let (tok, mut runner, gguf) = (loaded.tokenizer, loaded.runner, loaded.gguf);
     let params = GenParams {
         max_tokens: a.max_tokens,
@@ -169,6 +170,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut first = true;
     let mut emit = |e: TokenEvent<'_>| -> Result<()> {
         if std::mem::take(&mut first) {
+            infer::trace::mark("first token");
             if let Some(b) = &bar {
                 b.finish_and_clear();
             }

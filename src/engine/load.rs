@@ -137,7 +137,9 @@ fn load_with<B: Backend>(
 ) -> Result<Loaded<B>> {
     let t0 = Instant::now();
     let g = open_gguf(path)?;
+    crate::trace::mark("gguf parsed");
     let tokenizer = open_tokenizer(&g, path)?;
+    crate::trace::mark("tokenizer built");
     let mut cfg =
         ModelConfig::from_gguf(&g).with_context(|| format!("reading {}", path.display()))?;
     cfg.kv_type = cache_type(&cfg, opts)?;
@@ -148,15 +150,19 @@ fn load_with<B: Backend>(
         .min(cfg.n_ctx_train.max(1));
     let n_seq = opts.n_seq.unwrap_or(1).max(1);
     let mut cpu = CpuBackend::new(threads);
+    crate::trace::mark("cpu backend (thread pool)");
     let pack = opts
         .pack_dir
         .as_deref()
         .and_then(|dir| PackFile::open(dir, path, &g));
     let deferred = pack.as_ref().map(|pf| cpu.set_pack_file(Arc::clone(pf)));
+    crate::trace::mark("pack file opened");
     let arena = cpu.arena();
     let backend = make(&g, &cfg, cpu, n_ctx * n_seq)?;
+    crate::trace::mark("backend made");
     let weights =
         Weights::load(&g, &cfg, &backend).with_context(|| format!("loading {}", path.display()))?;
+    crate::trace::mark("weights loaded");
     let notes = pack.and_then(|pf| pf.finish()).into_iter().collect();
     if let Some(d) = deferred {
         d.start(arena);
@@ -168,6 +174,7 @@ fn load_with<B: Backend>(
         block_size: BLOCK_SIZE,
     };
     let runner = Runner::shared(model, n_ctx, n_seq)?;
+    crate::trace::mark("runner (KV) made");
     Ok(Loaded {
         gguf: g,
         tokenizer,

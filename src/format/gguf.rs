@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use super::types::GgmlType;
 
@@ -403,11 +404,68 @@ pub struct Gguf {
     pub version: u32,
     pub alignment: usize,
     pub tensors: Vec<TensorInfo>,
+    /// Every pair, with an empty array in place of each lazy one (see [`LAZY_STRINGS`]).
     metadata: Vec<(String, Value)>,
+    /// Metadata index → (offset of the first element, count, element type) of the lazy arrays.
+    lazy: HashMap<usize, (usize, usize, u32)>,
+    /// `metadata` with the lazy arrays read, made on first need ([`Gguf::metadata`]).
+    full: OnceLock<Vec<(String, Value)>>,
     metadata_index: HashMap<String, usize>,
     tensor_index: HashMap<String, usize>,
     bytes: Bytes,
     data_start: usize,
+}
+
+/// Top-level arrays of at least this many strings or numbers (a vocabulary's tokens, merges,
+/// scores and token types: 151 936 tokens and 151 387 merges for Qwen2.5, 262 144 tokens for
+/// Gemma-3) are checked at open but not copied: a `Value` each (and a `String` each for text) was
+/// a third of the time to open such a file and build its tokenizer. [`Gguf::strings`] and
+/// [`Gguf::values`] read them in place; [`Gguf::get`] and [`Gguf::metadata`] make the values on
+/// first use.
+pub const LAZY_ARRAY: usize = 1024;
+
+/// The strings of an array-of-strings value, borrowed from the file (see [`Gguf::strings`]).
+#[derive(Clone, Copy)]
+pub enum Strings<'a> {
+    /// `count` length-prefixed strings from `bytes[at..]`, checked at open.
+    InPlace {
+        bytes: &'a [u8],
+        at: usize,
+        count: usize,
+    },
+    Values(&'a [Value]),
+}
+
+impl<'a> Strings<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            Strings::InPlace { count, .. } => *count,
+            Strings::Values(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The strings in order; `None` for an element that is not a string.
+    pub fn iter(self) -> impl Iterator<Item = Option<&'a str>> {
+        let (bytes, mut at, count, values) = match self {
+            Strings::InPlace { bytes, at, count } => (bytes, at, count, &[][..]),
+            Strings::Values(v) => (&[][..], 0, 0, v),
+        };
+        let in_place = (0..count).map(move |_| {
+            let len = bytes
+                .get(at..at + 8)
+                .and_then(|b| b.try_into().ok())
+                .map_or(0, u64::from_le_bytes) as usize;
+            let s = bytes.get(at + 8..at + 8 + len).unwrap_or_default();
+            at += 8 + len;
+            // Checked at open: valid UTF-8 inside the file.
+            Some(std::str::from_utf8(s).unwrap_or_default())
+        });
+        in_place.chain(values.iter().map(Value::as_str))
+    }
 }
 
 impl fmt::Debug for Gguf {
@@ -417,6 +475,7 @@ impl fmt::Debug for Gguf {
             .field("alignment", &self.alignment)
             .field("architecture", &self.architecture())
             .field("n_metadata", &self.metadata.len())
+            .field("lazy_arrays", &self.lazy.len())
             .field("n_tensors", &self.tensors.len())
             .field("data_start", &self.data_start)
             .field("file_size", &self.file_size())
@@ -456,6 +515,8 @@ impl Gguf {
             alignment: h.alignment,
             tensors: h.tensors,
             metadata: h.metadata,
+            lazy: h.lazy,
+            full: OnceLock::new(),
             metadata_index: h.metadata_index,
             tensor_index: h.tensor_index,
             bytes,
@@ -463,14 +524,66 @@ impl Gguf {
         })
     }
 
-    /// All metadata pairs, in file order.
+    /// All metadata pairs, in file order (the first call reads the lazy string arrays).
     pub fn metadata(&self) -> &[(String, Value)] {
-        &self.metadata
+        if self.lazy.is_empty() {
+            return &self.metadata;
+        }
+        self.full.get_or_init(|| {
+            let mut all = self.metadata.clone();
+            for &i in self.lazy.keys() {
+                all[i].1 = Value::Array(self.lazy_values(i).collect());
+            }
+            all
+        })
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {
         let &i = self.metadata_index.get(key)?;
+        if self.lazy.contains_key(&i) {
+            return self.metadata().get(i).map(|(_, v)| v);
+        }
         self.metadata.get(i).map(|(_, v)| v)
+    }
+
+    /// Whether the metadata has `key`.
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.metadata_index.contains_key(key)
+    }
+
+    /// The strings of `key` without copying them: `None` when it is absent or not an array;
+    /// elements that are not strings iterate as `None`.
+    pub fn strings(&self, key: &str) -> Option<Strings<'_>> {
+        let &i = self.metadata_index.get(key)?;
+        match self.lazy.get(&i) {
+            Some(&(at, count, value_type::STRING)) => {
+                let bytes = self.bytes.as_slice();
+                Some(Strings::InPlace { bytes, at, count })
+            }
+            Some(_) => None,
+            None => self.metadata.get(i)?.1.as_array().map(Strings::Values),
+        }
+    }
+
+    /// The elements of array `key`, read from the file one by one where it was left in place:
+    /// `None` when it is absent or not an array.
+    pub fn values(&self, key: &str) -> Option<Box<dyn Iterator<Item = Value> + '_>> {
+        let &i = self.metadata_index.get(key)?;
+        if self.lazy.contains_key(&i) {
+            return Some(Box::new(self.lazy_values(i)));
+        }
+        let a = self.metadata.get(i)?.1.as_array()?;
+        Some(Box::new(a.iter().cloned()))
+    }
+
+    /// The elements of lazy array `i` (checked at open, so reading them cannot fail).
+    fn lazy_values(&self, i: usize) -> impl Iterator<Item = Value> + '_ {
+        let (at, count, elem) = self.lazy[&i];
+        let mut r = Reader {
+            buf: self.bytes.as_slice(),
+            pos: at,
+        };
+        (0..count).map(move |_| r.value(elem, 0, 1).unwrap_or(Value::U8(0)))
     }
 
     /// The value of `key` if it is a non-negative integer of any width.
@@ -589,6 +702,7 @@ struct Header {
     version: u32,
     alignment: usize,
     metadata: Vec<(String, Value)>,
+    lazy: HashMap<usize, (usize, usize, u32)>,
     metadata_index: HashMap<String, usize>,
     tensors: Vec<TensorInfo>,
     tensor_index: HashMap<String, usize>,
@@ -630,6 +744,7 @@ fn parse_header(buf: &[u8]) -> Result<Header, GgufError> {
     // Smallest key/value: empty key (8) + type (4) + one-byte value. Reserve no more than could fit.
     let mut metadata = Vec::with_capacity(r.capacity_for(kv_count, 8 + 4 + 1));
     let mut metadata_index = HashMap::with_capacity(metadata.capacity());
+    let mut lazy = HashMap::new();
     let mut alignment_off = 0;
     for _ in 0..kv_count {
         let key_off = r.offset();
@@ -637,7 +752,13 @@ fn parse_header(buf: &[u8]) -> Result<Header, GgufError> {
         let type_off = r.offset();
         let type_id = r.u32("metadata value type")?;
         let value_off = r.offset();
-        let value = r.value(type_id, type_off, 0)?;
+        let value = match r.lazy_array(type_id)? {
+            Some(span) => {
+                lazy.insert(metadata.len(), span);
+                Value::Array(Vec::new())
+            }
+            None => r.value(type_id, type_off, 0)?,
+        };
         if metadata_index.contains_key(&key) {
             return Err(GgufError::DuplicateKey {
                 offset: key_off,
@@ -786,6 +907,7 @@ fn parse_header(buf: &[u8]) -> Result<Header, GgufError> {
         version,
         alignment,
         metadata,
+        lazy,
         metadata_index,
         tensors,
         tensor_index,
@@ -843,6 +965,11 @@ impl<'a> Reader<'a> {
     }
 
     fn string(&mut self, what: &'static str) -> Result<String, GgufError> {
+        self.str(what).map(str::to_owned)
+    }
+
+    /// The next string, borrowed.
+    fn str(&mut self, what: &'static str) -> Result<&'a str, GgufError> {
         let len_off = self.offset();
         let len = self.u64(what)?;
         let remaining = self.remaining() as u64;
@@ -859,12 +986,54 @@ impl<'a> Reader<'a> {
         let bytes_off = self.offset();
         let bytes = self.take(len as usize, what)?;
         match std::str::from_utf8(bytes) {
-            Ok(s) => Ok(s.to_owned()),
+            Ok(s) => Ok(s),
             Err(_) => Err(GgufError::InvalidUtf8 {
                 offset: bytes_off,
                 what,
             }),
         }
+    }
+
+    /// A top-level array of at least [`LAZY_ARRAY`] strings or numbers: checked as
+    /// [`Self::value`] checks it (the same errors), but not copied. Returns where its first
+    /// element starts, how many there are and their type; `None`, having read nothing, for any
+    /// other value.
+    fn lazy_array(&mut self, type_id: u32) -> Result<Option<(usize, usize, u32)>, GgufError> {
+        use value_type as vt;
+        let head = |at: usize, n: usize| self.buf.get(self.pos + at..self.pos + at + n);
+        let (Some(elem), Some(count)) = (head(0, 4), head(4, 8)) else {
+            return Ok(None);
+        };
+        let elem = u32::from_le_bytes(elem.try_into().expect("4 bytes"));
+        let count = u64::from_le_bytes(count.try_into().expect("8 bytes"));
+        if type_id != vt::ARRAY || elem == vt::ARRAY || count < LAZY_ARRAY as u64 {
+            return Ok(None);
+        }
+        let Some(size) = min_encoded_size(elem) else {
+            return Ok(None); // a bad element type: `value` reports it
+        };
+        let elem_type = self.u32("array element type")?;
+        let count_off = self.offset();
+        let count = self.u64("array length")?;
+        let limit = ((self.remaining() / size) as u64).min(MAX_ARRAY_LEN);
+        if count > limit {
+            return Err(GgufError::ArrayTooLong {
+                offset: count_off,
+                elem_type,
+                count,
+                limit,
+            });
+        }
+        let at = self.pos;
+        if elem_type == vt::STRING {
+            for _ in 0..count {
+                self.str("string value")?;
+            }
+        } else {
+            // Fixed-size numbers: the limit above leaves room for all of them.
+            self.pos += count as usize * size;
+        }
+        Ok(Some((at, count as usize, elem_type)))
     }
 
     /// Reads one value of GGUF type `type_id` (whose type field was at `type_off`); `depth` is the

@@ -167,7 +167,7 @@ impl ModelConfig {
         if !head_dim.is_multiple_of(2) {
             bail!("head dimension {head_dim} is odd; RoPE needs pairs");
         }
-        let vocab_size = match g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
+        let vocab_size = match g.strings("tokenizer.ggml.tokens") {
             Some(a) => a.len(),
             None => req_u64(g, &k("vocab_size"))?,
         };

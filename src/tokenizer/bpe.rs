@@ -1,10 +1,14 @@
 //! Byte-level BPE (`tokenizer.ggml.model = "gpt2"`): the GPT-2 byte↔char alphabet, the merge
 //! table and the merge loop of llama.cpp's `llm_tokenizer_bpe_session`.
 //!
-//! Every byte of a word stands for one char of the byte-level alphabet, so a word's symbols are
-//! its bytes and a symbol is identified by the id of its text. Merge rules may name strings that
-//! are not in the vocabulary; those get synthetic ids at or above the vocabulary size, so merging
-//! on ids ranks exactly as llama.cpp's merging on strings does.
+//! Every byte of a word stands for one char of the byte-level alphabet, so a symbol is a span of
+//! the word's bytes and its text is the byte-level encoding of that span. The merge table is
+//! indexed by the rule's own text (`"left right"`, rank = index): a pair of adjacent symbols
+//! merges with the rank of the rule that spells `left + " " + right`. Symbol texts never hold a
+//! space (byte 0x20 is `Ġ` in the alphabet), so this is llama.cpp's lookup of the split rule,
+//! and building the table reads each rule once rather than looking up its two halves and their
+//! join in the vocabulary (Qwen2.5: 151 387 rules, about 450 000 lookups that took most of the
+//! tokenizer's construction).
 //!
 //! Invariants: merges are applied lowest rank first, ties to the leftmost pair; a symbol whose
 //! text is not a vocabulary token is emitted as the tokens of its single-byte chars that are in
@@ -13,10 +17,10 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
-use super::hash::{map_with_capacity, FxHashMap, Vocab};
+use super::hash::Vocab;
 use super::pretok::PreTokenizer;
 
-/// No id: a byte-level char that is neither a token nor named by any merge.
+/// No id: a byte that is not a token on its own.
 const NONE: u32 = u32::MAX;
 
 /// The GPT-2 byte→char table: printable Latin-1 bytes map to themselves, the other 68 bytes to
@@ -49,15 +53,12 @@ pub(crate) fn char_to_byte_table() -> Vec<Option<u8>> {
 /// The merge table and pre-tokenizer of one byte-level BPE vocabulary.
 #[derive(Debug)]
 pub(crate) struct Bpe {
-    /// `(left, right)` → `(rank, merged)`; ids at or above `n_vocab` are synthetic.
-    merges: FxHashMap<(u32, u32), (u32, u32)>,
-    /// Id of the one-char symbol of each byte (or [`NONE`]).
-    byte_sym: [u32; 256],
+    /// The merge rules by text (`"left right"`), the first of equal ones; the id is the rank.
+    merges: Vocab,
     /// Token of each byte whose byte-level char is ASCII and a token on its own: llama.cpp's
     /// per-byte fallback for a symbol that is not a token.
     byte_fallback: [u32; 256],
     byte_chars: [char; 256],
-    n_vocab: u32,
     pub(crate) pre: PreTokenizer,
     /// llama.cpp's `ignore_merges`: a word that is a token as a whole is emitted directly.
     ignore_merges: bool,
@@ -66,126 +67,103 @@ pub(crate) struct Bpe {
 impl Bpe {
     /// Builds the merge table from `merges` (`"left right"` strings, rank = index) over `vocab`.
     pub(crate) fn new(
-        merges: &[String],
+        merges: &[impl AsRef<str>],
         vocab: &Vocab,
         pre: PreTokenizer,
         ignore_merges: bool,
     ) -> Bpe {
-        let n_vocab = vocab.len() as u32;
-        let mut extra: FxHashMap<String, u32> = map_with_capacity(0);
-        let intern = |s: &str, extra: &mut FxHashMap<String, u32>| -> u32 {
-            if let Some(id) = vocab.get(s) {
-                return id;
-            }
-            if let Some(&id) = extra.get(s) {
-                return id;
-            }
-            let id = n_vocab.saturating_add(extra.len() as u32);
-            extra.insert(s.to_string(), id);
-            id
-        };
-        let mut table = map_with_capacity(merges.len());
-        let mut joined = String::new();
-        for (rank, m) in merges.iter().enumerate() {
-            // llama.cpp: `word.find(' ', 1)`; a rule without a separator pairs two empty strings,
-            // which no symbol can ever match.
-            let Some(sep) = m.as_bytes().iter().skip(1).position(|&b| b == b' ') else {
-                continue;
-            };
-            let (left, right) = (&m[..sep + 1], &m[sep + 2..]);
-            joined.clear();
-            joined.push_str(left);
-            joined.push_str(right);
-            let l = intern(left, &mut extra);
-            let r = intern(right, &mut extra);
-            let merged = intern(&joined, &mut extra);
-            let rank = u32::try_from(rank).unwrap_or(u32::MAX);
-            table.entry((l, r)).or_insert((rank, merged));
-        }
         let byte_chars = byte_to_char_table();
-        let mut byte_sym = [NONE; 256];
         let mut byte_fallback = [NONE; 256];
         let mut buf = [0u8; 4];
         for b in 0..256 {
-            let s: &str = byte_chars[b].encode_utf8(&mut buf);
-            byte_sym[b] = vocab
-                .get(s)
-                .or_else(|| extra.get(s).copied())
-                .unwrap_or(NONE);
             if byte_chars[b].is_ascii() {
-                byte_fallback[b] = vocab.get(s).unwrap_or(NONE);
+                byte_fallback[b] = vocab
+                    .get(byte_chars[b].encode_utf8(&mut buf))
+                    .unwrap_or(NONE);
             }
         }
         Bpe {
-            merges: table,
-            byte_sym,
+            merges: Vocab::first_wins(merges.len(), merges),
             byte_fallback,
             byte_chars,
-            n_vocab,
             pre,
             ignore_merges,
         }
     }
 
-    /// Appends the tokens of one pre-tokenized word (raw bytes, before byte-level encoding).
-    pub(crate) fn encode_word(&self, word: &[u8], vocab: &Vocab, out: &mut Vec<u32>) {
+    /// Appends the tokens of one pre-tokenized word (raw bytes, before byte-level encoding);
+    /// `scratch` holds buffers reused from word to word.
+    pub(crate) fn encode_word(
+        &self,
+        word: &[u8],
+        vocab: &Vocab,
+        scratch: &mut Scratch,
+        out: &mut Vec<u32>,
+    ) {
         if word.is_empty() {
             return;
         }
+        let n = word.len();
+        let Scratch {
+            encoded,
+            at,
+            syms,
+            key,
+            queue,
+        } = scratch;
+        // The word in the byte-level alphabet, and where each byte's char starts in it.
+        encoded.clear();
+        at.clear();
+        for &b in word {
+            at.push(encoded.len());
+            encoded.push(self.byte_chars[usize::from(b)]);
+        }
+        at.push(encoded.len());
         if self.ignore_merges {
-            let encoded: String = word
-                .iter()
-                .map(|&b| self.byte_chars[usize::from(b)])
-                .collect();
-            if let Some(id) = vocab.get(&encoded) {
+            if let Some(id) = vocab.get(encoded) {
                 out.push(id);
                 return;
             }
         }
-        let n = word.len();
-        let mut syms: Vec<Symbol> = word
-            .iter()
-            .enumerate()
-            .map(|(i, &b)| Symbol {
-                id: self.byte_sym[usize::from(b)],
-                start: i,
-                len: 1,
-                prev: i.checked_sub(1),
-                next: (i + 1 < n).then_some(i + 1),
-            })
-            .collect();
-        let mut queue = BinaryHeap::new();
+        syms.clear();
+        syms.extend((0..n).map(|i| Symbol {
+            start: i,
+            len: 1,
+            prev: i.checked_sub(1),
+            next: (i + 1 < n).then_some(i + 1),
+        }));
+        let syms = &mut syms[..];
+        let mut w = Words {
+            encoded,
+            at,
+            key: std::mem::take(key),
+        };
+        queue.clear();
         for i in 1..n {
-            self.push_pair(&syms, i - 1, i, &mut queue);
+            self.push_pair(syms, i - 1, i, &mut w, queue);
         }
         while let Some(pair) = queue.pop() {
             let (l, r) = (pair.left, pair.right);
-            if syms[l].len == 0
-                || syms[r].len == 0
-                || syms[l].id != pair.left_id
-                || syms[r].id != pair.right_id
-            {
-                continue; // outdated
+            if syms[l].len != pair.left_len || syms[r].len != pair.right_len {
+                continue; // outdated: a symbol is a span from a fixed start, so its length is it
             }
-            let right_len = syms[r].len;
             let right_next = syms[r].next;
-            syms[l].len += right_len;
-            syms[l].id = pair.merged;
+            syms[l].len += pair.right_len;
             syms[r].len = 0;
             syms[l].next = right_next;
             if let Some(nx) = right_next {
                 syms[nx].prev = Some(l);
             }
             if let Some(pv) = syms[l].prev {
-                self.push_pair(&syms, pv, l, &mut queue);
+                self.push_pair(syms, pv, l, &mut w, queue);
             }
             if let Some(nx) = right_next {
-                self.push_pair(&syms, l, nx, &mut queue);
+                self.push_pair(syms, l, nx, &mut w, queue);
             }
         }
         for s in syms.iter().filter(|s| s.len > 0) {
-            if s.id < self.n_vocab {
-                out.push(s.id);
+            if let Some(id) = vocab.get(w.text(s)) {
+                out.push(id);
             } else {
                 for &b in &word[s.start..s.start + s.len] {
                     let t = self.byte_fallback[usize::from(b)];
@@ -195,29 +173,63 @@ impl Bpe {
                 }
             }
         }
+        *key = w.key;
     }
 
-    fn push_pair(&self, syms: &[Symbol], l: usize, r: usize, queue: &mut BinaryHeap<Pair>) {
-        let (a, b) = (syms[l].id, syms[r].id);
-        if a == NONE || b == NONE {
-            return;
-        }
-        if let Some(&(rank, merged)) = self.merges.get(&(a, b)) {
+    fn push_pair(
+        &self,
+        syms: &[Symbol],
+        l: usize,
+        r: usize,
+        w: &mut Words<'_>,
+        queue: &mut BinaryHeap<Pair>,
+    ) {
+        let (a, b) = (&syms[l], &syms[r]);
+        let mut key = std::mem::take(&mut w.key);
+        key.clear();
+        key.push_str(w.text(a));
+        key.push(' ');
+        key.push_str(w.text(b));
+        if let Some(rank) = self.merges.get(&key) {
             queue.push(Pair {
                 rank,
                 left: l,
                 right: r,
-                left_id: a,
-                right_id: b,
-                merged,
+                left_len: a.len,
+                right_len: b.len,
             });
         }
+        w.key = key;
+    }
+}
+
+/// Buffers [`Bpe::encode_word`] reuses from one word to the next.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    encoded: String,
+    at: Vec<usize>,
+    syms: Vec<Symbol>,
+    key: String,
+    queue: BinaryHeap<Pair>,
+}
+
+/// One word being merged: its byte-level text, where each byte's char starts, and a buffer for
+/// the rule texts looked up.
+struct Words<'a> {
+    encoded: &'a str,
+    at: &'a [usize],
+    key: String,
+}
+
+impl Words<'_> {
+    /// The byte-level text of symbol `s`.
+    fn text(&self, s: &Symbol) -> &str {
+        &self.encoded[self.at[s.start]..self.at[s.start + s.len]]
     }
 }
 
 #[derive(Clone, Copy)]
 struct Symbol {
-    id: u32,
     start: usize,
     len: usize,
     prev: Option<usize>,
@@ -230,9 +242,8 @@ struct Pair {
     rank: u32,
     left: usize,
     right: usize,
-    left_id: u32,
-    right_id: u32,
-    merged: u32,
+    left_len: usize,
+    right_len: usize,
 }
 
 impl Ord for Pair {
@@ -269,7 +280,7 @@ mod tests {
     }
 
     fn vocab(tokens: &[&str]) -> Vocab {
-        Vocab::new(tokens.iter().map(|t| t.to_string()).collect()).unwrap()
+        Vocab::new(tokens.len(), tokens).unwrap()
     }
 
     #[test]
@@ -280,10 +291,11 @@ mod tests {
         let merges = ["b c", "a b", "a bc"].map(String::from);
         let bpe = Bpe::new(&merges, &lookup, PreTokenizer::Gpt2, false);
         let mut out = Vec::new();
-        bpe.encode_word(b"abc", &lookup, &mut out);
+        let mut sc = Scratch::default();
+        bpe.encode_word(b"abc", &lookup, &mut sc, &mut out);
         assert_eq!(out, [5]);
         out.clear();
-        bpe.encode_word(b"abab", &lookup, &mut out);
+        bpe.encode_word(b"abab", &lookup, &mut sc, &mut out);
         assert_eq!(out, [3, 3]);
     }
 
@@ -295,7 +307,7 @@ mod tests {
         let merges = ["x y".to_string()];
         let bpe = Bpe::new(&merges, &lookup, PreTokenizer::Gpt2, false);
         let mut out = Vec::new();
-        bpe.encode_word(b"xyz", &lookup, &mut out);
+        bpe.encode_word(b"xyz", &lookup, &mut Scratch::default(), &mut out);
         assert_eq!(out, [0, 1, 2]);
     }
 }

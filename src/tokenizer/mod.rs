@@ -57,17 +57,18 @@ pub mod attr {
 }
 
 /// Everything the tokenizer reads from a model file, as plain data. [`Tokenizer::from_gguf`]
-/// fills it from the `tokenizer.*` keys; tests can build one by hand.
+/// fills it from the `tokenizer.*` keys, with the texts borrowed from the file (`S = &str`);
+/// tests can build one by hand.
 #[derive(Clone, Debug, Default)]
-pub struct TokenizerSpec {
+pub struct TokenizerSpec<S = String> {
     /// `tokenizer.ggml.model`: `"gpt2"` or `"llama"`.
     pub model: String,
     /// `tokenizer.ggml.pre` (gpt2 only; absent means `"default"`, as in llama.cpp).
     pub pre: Option<String>,
-    pub tokens: Vec<String>,
+    pub tokens: Vec<S>,
     pub scores: Option<Vec<f32>>,
     pub token_types: Option<Vec<i64>>,
-    pub merges: Option<Vec<String>>,
+    pub merges: Option<Vec<S>>,
     /// `(key suffix, id)` for the special-token id keys present, e.g. `("bos_token_id", 2)`.
     pub special_ids: Vec<(String, u64)>,
     pub add_bos: Option<bool>,
@@ -208,19 +209,19 @@ fn key(suffix: &str) -> String {
     format!("{KEY_PREFIX}{suffix}")
 }
 
-/// The strings of an array-of-strings key.
-fn string_array(g: &Gguf, suffix: &str) -> Result<Option<Vec<String>>> {
+/// The strings of an array-of-strings key, borrowed from the file.
+fn string_array<'a>(g: &'a Gguf, suffix: &str) -> Result<Option<Vec<&'a str>>> {
     let k = key(suffix);
-    let Some(v) = g.get(&k) else { return Ok(None) };
-    let arr = v
-        .as_array()
-        .ok_or_else(|| anyhow!("{k}: expected an array of strings"))?;
-    arr.iter()
+    let Some(strings) = g.strings(&k) else {
+        return match g.get(&k) {
+            None => Ok(None),
+            Some(_) => Err(anyhow!("{k}: expected an array of strings")),
+        };
+    };
+    strings
+        .iter()
         .enumerate()
-        .map(|(i, v)| match v {
-            Value::String(s) => Ok(s.clone()),
-            _ => Err(anyhow!("{k}[{i}]: expected a string")),
-        })
+        .map(|(i, s)| s.ok_or_else(|| anyhow!("{k}[{i}]: expected a string")))
         .collect::<Result<Vec<_>>>()
         .map(Some)
 }
@@ -259,6 +260,28 @@ const SPECIAL_ID_KEYS: &[&str] = &[
 impl TokenizerSpec {
     /// Reads the `tokenizer.*` keys of a GGUF file.
     pub fn from_gguf(g: &Gguf) -> Result<TokenizerSpec> {
+        let b = TokenizerSpec::borrowed(g)?;
+        Ok(TokenizerSpec {
+            tokens: b.tokens.into_iter().map(str::to_string).collect(),
+            merges: b
+                .merges
+                .map(|m| m.into_iter().map(str::to_string).collect()),
+            model: b.model,
+            pre: b.pre,
+            scores: b.scores,
+            token_types: b.token_types,
+            special_ids: b.special_ids,
+            add_bos: b.add_bos,
+            add_eos: b.add_eos,
+            add_space_prefix: b.add_space_prefix,
+            model_name: b.model_name,
+        })
+    }
+}
+
+impl<'a> TokenizerSpec<&'a str> {
+    /// [`TokenizerSpec::from_gguf`] with the token and merge texts borrowed from `g`.
+    pub fn borrowed(g: &'a Gguf) -> Result<TokenizerSpec<&'a str>> {
         let model_key = key("model");
         let model = g
             .get(&model_key)
@@ -277,16 +300,15 @@ impl TokenizerSpec {
         };
         let tokens =
             string_array(g, "tokens")?.ok_or_else(|| anyhow!("{}: missing", key("tokens")))?;
-        let scores = match g.get(&key("scores")) {
-            None => None,
-            Some(v) => {
+        let scores = match g.contains_key(&key("scores")) {
+            false => None,
+            true => {
                 let k = key("scores");
-                let arr = v
-                    .as_array()
+                let arr = g
+                    .values(&k)
                     .ok_or_else(|| anyhow!("{k}: expected an array"))?;
                 Some(
-                    arr.iter()
-                        .enumerate()
+                    arr.enumerate()
                         .map(|(i, v)| match v {
                             Value::F32(_) | Value::I32(_) => v
                                 .as_f32()
@@ -297,16 +319,15 @@ impl TokenizerSpec {
                 )
             }
         };
-        let token_types = match g.get(&key("token_type")) {
-            None => None,
-            Some(v) => {
+        let token_types = match g.contains_key(&key("token_type")) {
+            false => None,
+            true => {
                 let k = key("token_type");
-                let arr = v
-                    .as_array()
+                let arr = g
+                    .values(&k)
                     .ok_or_else(|| anyhow!("{k}: expected an array"))?;
                 Some(
-                    arr.iter()
-                        .enumerate()
+                    arr.enumerate()
                         .map(|(i, v)| {
                             v.as_i64()
                                 .ok_or_else(|| anyhow!("{k}[{i}]: expected an integer"))
@@ -347,11 +368,11 @@ impl TokenizerSpec {
 impl Tokenizer {
     /// Builds the tokenizer of a GGUF model; errors name the missing or invalid key.
     pub fn from_gguf(g: &Gguf) -> Result<Tokenizer> {
-        Tokenizer::from_spec(TokenizerSpec::from_gguf(g)?)
+        Tokenizer::from_spec(TokenizerSpec::borrowed(g)?)
     }
 
     /// Builds a tokenizer from metadata already read (see [`TokenizerSpec`]).
-    pub fn from_spec(spec: TokenizerSpec) -> Result<Tokenizer> {
+    pub fn from_spec<S: AsRef<str>>(spec: TokenizerSpec<S>) -> Result<Tokenizer> {
         let TokenizerSpec {
             model,
             pre,
@@ -408,20 +429,17 @@ impl Tokenizer {
             add_space_prefix = v;
         }
 
-        let mut tokens = tokens;
-        for (i, t) in tokens.iter_mut().enumerate() {
-            if t.is_empty() {
-                *t = format!("[EMPTY_{i}]");
-            }
-        }
-        let vocab = Vocab::new(tokens).map_err(|(a, b)| {
+        let texts = tokens.iter().enumerate().map(|(i, t)| match t.as_ref() {
+            "" => std::borrow::Cow::Owned(format!("[EMPTY_{i}]")),
+            t => std::borrow::Cow::Borrowed(t),
+        });
+        let vocab = Vocab::new(n, texts).map_err(|(a, b)| {
             anyhow!(
                 "{}: token ids {a} and {b} have the same text",
                 key("tokens")
             )
         })?;
         let lookup = |t: &str| vocab.get(t);
-        let tokens = vocab.tokens();
 
         let scores = match scores {
             Some(s) if s.len() < n => bail!("{}: {} scores for {n} tokens", key("scores"), s.len()),
@@ -540,7 +558,7 @@ impl Tokenizer {
         eog.extend([sp.eos, sp.eot, sp.eom].into_iter().flatten());
         eog.sort_unstable();
         eog.dedup();
-        let text_of = |id: u32| tokens[id as usize].as_str();
+        let text_of = |id: u32| vocab.token(id as usize);
         let has = |eog: &[u32], t: &str| eog.iter().copied().find(|&id| text_of(id) == t);
         if let Some(end) = has(&eog, "<|end|>") {
             let call = has(&eog, "<|call|>").or(has(&eog, "<|calls|>"));
@@ -564,7 +582,7 @@ impl Tokenizer {
                 attrs[i as usize] & (attr::CONTROL | attr::USER_DEFINED | attr::UNKNOWN) != 0
             })
             .collect();
-        special_ids_sorted.sort_by_key(|&i| std::cmp::Reverse(tokens[i as usize].len()));
+        special_ids_sorted.sort_by_key(|&i| std::cmp::Reverse(vocab.token(i as usize).len()));
         let name = model_name.unwrap_or_default().to_lowercase();
         if name.contains("phi-3") || name.contains("phi3") {
             for &id in &special_ids_sorted {
@@ -591,7 +609,7 @@ impl Tokenizer {
                             lstrip: a & attr::LSTRIP != 0,
                             rstrip: a & attr::RSTRIP != 0,
                         },
-                        tokens[id as usize].as_str(),
+                        vocab.token(id as usize),
                     )
                 })
                 .collect(),
@@ -685,12 +703,14 @@ impl Tokenizer {
                 }
             }
             Kind::Bpe { bpe, .. } => {
+                let mut scratch = bpe::Scratch::default();
                 for f in frags {
                     match f {
                         Fragment::Text(a, b) => {
                             let frag = &text[a..b];
                             for (s, e) in bpe.pre.split(frag) {
-                                bpe.encode_word(&frag.as_bytes()[s..e], &self.vocab, &mut out);
+                                let word = &frag.as_bytes()[s..e];
+                                bpe.encode_word(word, &self.vocab, &mut scratch, &mut out);
                             }
                         }
                         Fragment::Token(id) => out.push(id),
@@ -742,10 +762,7 @@ impl Tokenizer {
 
     /// The raw vocabulary string of `id` (`""` for an id outside the vocabulary).
     pub fn token_text(&self, id: u32) -> &str {
-        self.vocab
-            .tokens()
-            .get(id as usize)
-            .map_or("", String::as_str)
+        self.vocab.try_token(id as usize).unwrap_or("")
     }
 
     /// The llama.cpp attributes of `id` (see [`attr`]); `UNDEFINED` outside the vocabulary.
@@ -767,7 +784,7 @@ impl Tokenizer {
     }
 
     fn append_token_bytes(&self, id: u32, out: &mut Vec<u8>) {
-        let Some(text) = self.vocab.tokens().get(id as usize) else {
+        let Some(text) = self.vocab.try_token(id as usize) else {
             return;
         };
         let a = self.attrs[id as usize];

@@ -147,7 +147,7 @@ mod tests {
     fn highest_score_merges_first_and_unknown_chars_become_bytes() {
         let toks = ["a", "b", "c", "ab", "bc", "<0xC3>", "<0xA9>"];
         let scores = [0.0, 0.0, 0.0, -1.0, -0.5, 0.0, 0.0];
-        let lookup = Vocab::new(toks.iter().map(|t| t.to_string()).collect()).unwrap();
+        let lookup = Vocab::new(toks.len(), toks.iter()).unwrap();
         let mut byte_tokens = [None; 256];
         byte_tokens[0xC3] = Some(5);
         byte_tokens[0xA9] = Some(6);

@@ -16,7 +16,7 @@ use crate::kernels::cpu::attention::f32_cache::{self, KvF32};
 use crate::kernels::cpu::attention::quant_cache::{self, KvQuant};
 use crate::kernels::cpu::fused;
 use crate::kernels::cpu::fused::ffn;
-use crate::kernels::cpu::layouts::pack_file::{Copies, Deferred, PackFile};
+use crate::kernels::cpu::layouts::pack_file::{copy_releasing, Copies, Deferred, PackFile};
 use crate::kernels::cpu::layouts::q4_k_x8;
 use crate::kernels::cpu::layouts::q5_0_x16;
 use crate::kernels::cpu::layouts::q6_k_x16;
@@ -24,7 +24,7 @@ use crate::kernels::cpu::layouts::q6_k_x4;
 use crate::kernels::cpu::layouts::q8_0_x16;
 use crate::kernels::cpu::matmul;
 use crate::kernels::cpu::memory::hugebuf::{Arena, Region};
-use crate::kernels::cpu::memory::kv_plane::KvPlane;
+use crate::kernels::cpu::memory::kv_plane::{self, KvPlane};
 use crate::kernels::cpu::ops;
 use crate::kernels::cpu::ops::rope::RopeTables;
 use crate::kernels::cpu::threads::pool::ThreadPool;
@@ -61,7 +61,7 @@ impl CpuWeight {
     /// The matrix in the file's layout: the plain huge-page copy where there is one, else the
     /// mapped file's bytes.
     pub fn bytes(&self) -> &[u8] {
-        if let Some(r) = self.copies.resident.get() {
+        if let Some(r) = self.copies.resident_or_wait() {
             return r;
         }
         let data = self.file.tensor_data(&self.file.tensors[self.index]);
@@ -190,9 +190,20 @@ pub struct CpuKv {
     pub f32: Option<KvF32>,
     /// The quantized storage instead (`k` and `v` are then empty), for `KvType::Quant`.
     pub quant: Option<KvQuant>,
+    /// Whether `k` and `v` were advised onto huge pages ([`KvPlane::advise_huge`]).
+    pub huge: bool,
 }
 
 impl CpuKv {
+    /// Moves the f16 planes onto huge pages once a write reaches [`kv_plane::HUGE_FROM_SLOT`].
+    pub fn note_slots(&mut self, slots: &[usize]) {
+        if !self.huge && slots.iter().any(|&s| s >= kv_plane::HUGE_FROM_SLOT) {
+            self.k.advise_huge();
+            self.v.advise_huge();
+            self.huge = true;
+        }
+    }
+
     /// Copies whole blocks (`(from, to)` pairs) in `layers` of the f16 planes, or in every layer
     /// of the f32 storage.
     pub fn copy_blocks(&mut self, pairs: &[(u32, u32)], layers: std::ops::Range<usize>) {
@@ -424,6 +435,13 @@ impl CpuBackend {
         }
     }
 
+    /// Waits until the copies deferred at load are made (benchmarks measure the steady state).
+    pub fn wait_copies(&self) {
+        if let Some(d) = &self.deferred {
+            d.wait();
+        }
+    }
+
     /// Fast start: loads the weights' packed copies from `pf` where it has them (writing those it
     /// packs to it), and leaves the huge-page copies that can wait to a background thread; the
     /// caller calls [`PackFile::finish`] and [`Deferred::start`] (on the returned handle, with
@@ -538,7 +556,6 @@ impl Backend for CpuBackend {
         let lookup_only =
             src.name == "token_embd.weight" && src.file.tensor("output.weight").is_some();
         let pf = self.pack_file.as_deref();
-        let reading = pf.is_some_and(|pf| pf.reading());
         if !lookup_only {
             // Q4_K: every matmul reads the x8 copy. Q6_K: decode and the prefill GEMM read the x4
             // copy; the file's pages come back only for a row-invariant verify, a prompt under
@@ -558,11 +575,14 @@ impl Backend for CpuBackend {
             {
                 keep(p);
                 w.file.release(w.bytes());
-            } else if let Some(d) = self.deferred.as_ref().filter(|_| reading) {
-                // Reading a pack file: Q5_0's x16 copy from it (or packed now from the file's
-                // bytes, the same as the plain copy's), the plain copy in the background. Without
-                // one the plain copy is made now: for a model that packs little (Gemma-3 on AVX2)
-                // deferring it was slower to the first token, 0.40 s against 0.32.
+            } else if let Some(d) = self.deferred.as_ref() {
+                // With a pack file (read or being written): Q5_0's x16 copy from it (or packed
+                // now from the file's bytes, the same as the plain copy's), the plain copy in the
+                // background once the first logits are out (`Deferred`). Made now, Gemma-3 270M's
+                // plain copies (230 MB on AVX2) took 0.15-0.30 s of its first token on the
+                // development VM; made in the background from the load on, they competed with
+                // the first forward pass for the two cores (0.40 s to the first token against
+                // 0.32).
                 if let Some(p) = w.packed_q5_0(&self.pool) {
                     keep(p);
                 }
@@ -574,9 +594,9 @@ impl Backend for CpuBackend {
                     w.bytes().len(),
                 );
             } else {
-                let copy = self
-                    .arena
-                    .alloc(w.bytes().len(), |out| out.copy_from_slice(w.bytes()));
+                // Piece by piece, releasing the file's pages behind: the process holds the matrix
+                // about once, not twice (Gemma-3's 178 MB embedding and output head).
+                let copy = copy_releasing(&self.arena, w.bytes(), |piece| w.file.release(piece));
                 w.file.release(w.bytes());
                 let _ = w.copies.resident.set(copy);
                 // Q5_0 decode reads an x16 copy besides (from the plain one).
@@ -611,6 +631,7 @@ impl Backend for CpuBackend {
             kv_dim,
             f32: None,
             quant: None,
+            huge: false,
         };
         match kv_type {
             KvType::F32 => Ok(CpuKv {
@@ -796,6 +817,7 @@ impl Backend for CpuBackend {
         if let Some(kq) = &mut kv.quant {
             return kq.write(layer, k, v, slots);
         }
+        kv.note_slots(slots);
         let d = kv.kv_dim;
         for (i, &slot) in slots.iter().enumerate() {
             kv.k[layer][slot * d..(slot + 1) * d].convert_from_f32_slice(k.row(i));
@@ -813,6 +835,7 @@ impl Backend for CpuBackend {
         s: AttnScratch<'_, Self>,
         out: &mut CpuAct,
     ) {
+        kv.note_slots(batch.slots);
         if let Err(s) = fused::attention::decode(self, h, blk, kv, layer, batch, s, out) {
             attention_block_steps(self, h, blk, kv, layer, batch, s, out);
         }
@@ -869,6 +892,10 @@ impl Backend for CpuBackend {
     }
 
     fn take_host(&self, x: CpuAct) -> Vec<f32> {
+        // The logits of a forward pass: the deferred copies may start.
+        if let Some(d) = &self.deferred {
+            d.open();
+        }
         x.data
     }
 

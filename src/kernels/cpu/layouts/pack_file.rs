@@ -26,7 +26,9 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Duration;
 
 use crate::format::Gguf;
 use crate::kernels::cpu::memory::hugebuf::{Arena, Region};
@@ -57,9 +59,27 @@ pub struct Copies {
     pub mapped: Option<MappedRange>,
     /// A plain copy of the matrix on huge pages, which reads use instead of the model file.
     pub resident: OnceLock<Region>,
+    /// Set while the background thread makes a plain copy of at least [`HOLD_BYTES`]: reads
+    /// wait for it ([`Copies::resident_or_wait`]) instead of mapping the file's pages back.
+    pub moving: AtomicBool,
 }
 
+/// Plain copies at least this large hold their readers while they are made (see
+/// [`Copies::moving`]): otherwise a decode step reads the whole matrix from the file while the
+/// copy grows, and the process holds it twice (Gemma-3 270M: its 178 MB embedding and output
+/// head put the peak resident set 170 MB over the file's size).
+pub const HOLD_BYTES: usize = 32 << 20;
+
 impl Copies {
+    /// The plain copy when there is one; while the background thread is making it, waits for it
+    /// (polling, so that a copy that fails, which clears `moving`, frees its readers too).
+    pub fn resident_or_wait(&self) -> Option<&Region> {
+        while self.resident.get().is_none() && self.moving.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        self.resident.get()
+    }
+
     /// The packed copy: on huge pages when moved there, else in the pack file, else `None`.
     pub fn packed(&self) -> Option<&[u8]> {
         self.packed
@@ -105,15 +125,52 @@ impl MappedRange {
     }
 }
 
-/// Copies a load leaves for later: made on huge pages by a background thread once every weight
-/// is loaded ([`Deferred::start`]), while reads use the pack file or the model file.
+/// Copies a load leaves for later: made on huge pages by a background thread ([`Deferred::start`])
+/// once the first forward pass has computed its logits ([`Deferred::open`]), or [`GATE_TIMEOUT`]
+/// after the load, while reads use the pack file or the model file. Waiting for the first
+/// logits keeps the copies (page faults and zeroing of fresh huge pages, about 1 ms a MB on the
+/// development VM) off the two cores the first token needs.
 #[derive(Default)]
-pub struct Deferred(Mutex<Vec<Job>>);
+pub struct Deferred {
+    jobs: Mutex<Vec<Job>>,
+    /// Fast check of `state.0`.
+    opened: AtomicBool,
+    /// (the gate is open, the copies are done)
+    state: Mutex<(bool, bool)>,
+    changed: Condvar,
+}
+
+/// How long the copies wait for the first logits before they start anyway (a server that loads
+/// and waits for requests).
+pub const GATE_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl Deferred {
+    /// Lets the copies start (the first forward pass is done). Cheap after the first call.
+    pub fn open(&self) {
+        if self.opened.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).0 = true;
+        self.changed.notify_all();
+    }
+
+    /// Opens the gate and waits until every deferred copy is made (a benchmark's steady state).
+    pub fn wait(&self) {
+        self.open();
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        while !st.1 {
+            st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn done(&self) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.changed.notify_all();
+    }
+
     /// Move `copies`' packed copy from the pack file to huge pages.
     pub fn packed(&self, copies: Arc<Copies>) {
-        self.0
+        self.jobs
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(Job::Packed(copies));
@@ -128,7 +185,7 @@ impl Deferred {
         offset: usize,
         len: usize,
     ) {
-        self.0
+        self.jobs
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(Job::Resident {
@@ -140,17 +197,36 @@ impl Deferred {
             });
     }
 
-    /// Starts the thread that makes the copies, in the order they were deferred (layer order).
-    pub fn start(&self, arena: Arc<Arena>) {
-        let jobs = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+    /// Starts the thread that makes the copies, in the order they were deferred (layer order),
+    /// once the gate opens.
+    pub fn start(self: &Arc<Self>, arena: Arc<Arena>) {
+        let jobs = std::mem::take(&mut *self.jobs.lock().unwrap_or_else(|e| e.into_inner()));
         if jobs.is_empty() {
+            self.done();
             return;
         }
+        let me = Arc::clone(self);
         let spawned = std::thread::Builder::new()
             .name("infer-copies".into())
-            .spawn(move || promote(jobs, &arena));
+            .spawn(move || {
+                {
+                    let st = me.state.lock().unwrap_or_else(|e| e.into_inner());
+                    let _ = me.changed.wait_timeout_while(st, GATE_TIMEOUT, |st| !st.0);
+                }
+                crate::trace::mark("copies start");
+                // A failed copy (no memory for a mapping) leaves its matrix read from the file;
+                // `done` must still come, or a benchmark's `wait` would wait for ever.
+                let promoted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    promote(jobs, &arena)
+                }));
+                drop(promoted);
+                crate::trace::mark("copies done");
+                me.done();
+            });
         // Without a thread the reads keep using the mapped files: slower, the same bytes.
-        drop(spawned);
+        if spawned.is_err() {
+            self.done();
+        }
     }
 }
 
@@ -416,7 +492,7 @@ const PIECE: usize = 8 << 20;
 
 /// Copies `src` to a new huge-page region piece by piece, releasing each piece's source pages
 /// (`release`) once copied.
-fn copy_releasing(arena: &Arena, src: &[u8], release: impl Fn(&[u8])) -> Region {
+pub(crate) fn copy_releasing(arena: &Arena, src: &[u8], release: impl Fn(&[u8])) -> Region {
     arena.alloc(src.len(), |out| {
         for (o, i) in out.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
             o.copy_from_slice(i);
@@ -444,6 +520,17 @@ fn promote(jobs: Vec<Job>, arena: &Arena) {
                 len,
             } => {
                 let src = &file.tensor_data(&file.tensors[index])[offset..offset + len];
+                /// Clears `moving` however the copy ends (a panic included).
+                struct Moving<'a>(&'a AtomicBool);
+                impl Drop for Moving<'_> {
+                    fn drop(&mut self) {
+                        self.0.store(false, Ordering::Release);
+                    }
+                }
+                let _moving = (len >= HOLD_BYTES).then(|| {
+                    copies.moving.store(true, Ordering::Release);
+                    Moving(&copies.moving)
+                });
                 let region = copy_releasing(arena, src, |piece| file.release(piece));
                 let _ = copies.resident.set(region);
                 file.release(src);

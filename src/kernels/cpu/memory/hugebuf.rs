@@ -27,10 +27,28 @@ impl HugeBuf {
         if len == 0 {
             return HugeBuf { map: None };
         }
+        let buf = Self::small_pages(len);
+        buf.advise_huge();
+        buf
+    }
+
+    /// `len` zero bytes on ordinary pages until [`Self::advise_huge`]: a page costs only when
+    /// first touched, 4 KiB of zeroing rather than 2 MiB.
+    pub fn small_pages(len: usize) -> HugeBuf {
+        if len == 0 {
+            return HugeBuf { map: None };
+        }
         let map = MmapMut::map_anon(len).expect("anonymous mapping for repacked weights");
-        // Only a hint: an error (THP compiled out) leaves ordinary pages.
-        let _ = map.advise(Advice::HugePage);
         HugeBuf { map: Some(map) }
+    }
+
+    /// Asks for huge pages from now on (`MADV_HUGEPAGE`): 2 MiB ranges not touched yet fault in
+    /// as huge pages, touched ones wait for the kernel's `khugepaged`. Only a hint: an error (THP
+    /// compiled out) leaves ordinary pages.
+    pub fn advise_huge(&self) {
+        if let Some(map) = &self.map {
+            let _ = map.advise(Advice::HugePage);
+        }
     }
 }
 

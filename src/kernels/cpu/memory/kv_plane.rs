@@ -1,5 +1,12 @@
 //! One plane (K or V) of the paged f16 KV cache: every layer's slots in one anonymous mapping,
-//! from a 2 MiB boundary on, advised onto transparent huge pages ([`HugeBuf`]).
+//! from a 2 MiB boundary on, on 4 KiB pages until a sequence reaches [`HUGE_FROM_SLOT`], then
+//! advised onto transparent huge pages ([`HugeBuf`]).
+//!
+//! Why not huge pages from the start: the first write to each layer would fault in a whole 2 MiB
+//! page, and the kernel zeroes it. A 5-token prompt then zeroed 36 such pages for Gemma-3 270M
+//! and 56 for Qwen2.5-1.5B (72 and 112 MiB), on the development VM at about 1 GB/s (fresh
+//! guest memory), which made the KV writes of the first forward tens to hundreds of milliseconds
+//! of the time to the first token. On small pages the same prompt touches one 4 KiB page a layer.
 //!
 //! Decode's attention reads a few hundred bytes from each of many cache slots, spread over many
 //! pages, while the weights stream through the caches; on 4 KiB pages a page's first slot is a
@@ -12,8 +19,8 @@
 //!
 //! Invariant: layer `l` is values `l * per_layer .. (l + 1) * per_layer` of the plane, all zero
 //! until written. Untouched pages (layers a GPU holds, slots no sequence reached) take no memory;
-//! a touched one takes 2 MiB, so a plane holds at most one partly used huge page per layer beyond
-//! the slots written.
+//! once advised, a touched one may take 2 MiB, so a plane holds at most one partly used huge page
+//! per layer beyond the slots written.
 
 use std::ops::{Index, IndexMut};
 
@@ -23,6 +30,10 @@ use crate::kernels::cpu::memory::hugebuf::HugeBuf;
 
 /// Huge page size: the plane's first value sits on such a boundary.
 const HUGE: usize = 2 << 20;
+
+/// The first cache slot whose write moves the planes onto huge pages ([`KvPlane::advise_huge`]):
+/// below it attention reads at most 256 slots a layer, a few dozen 4 KiB pages.
+pub const HUGE_FROM_SLOT: usize = 256;
 
 /// `layers` layers of `per_layer` f16 values each.
 pub struct KvPlane {
@@ -42,7 +53,7 @@ impl KvPlane {
             .expect("KV plane size fits in memory");
         // The mapping starts on a 4 KiB boundary: room to move the first value to the next 2 MiB
         // one (slack that is never touched, so address space only).
-        let buf = HugeBuf::zeroed(if bytes == 0 { 0 } else { bytes + HUGE });
+        let buf = HugeBuf::small_pages(if bytes == 0 { 0 } else { bytes + HUGE });
         let base = buf.as_ptr() as usize;
         let off = if bytes == 0 {
             0
@@ -55,6 +66,11 @@ impl KvPlane {
             per_layer,
             layers,
         }
+    }
+
+    /// Moves the plane onto huge pages from now on (see the module comment).
+    pub fn advise_huge(&self) {
+        self.buf.advise_huge();
     }
 
     /// Layers in the plane.
