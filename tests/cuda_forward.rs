@@ -398,7 +398,8 @@ fn greedy_decoding_agrees_for_64_tokens() {
 
 /// The engine samples on the device (after the first token) and picks exactly the tokens the
 /// CPU sampler picks from the same backend's downloaded logits: greedy with penalties, and the
-/// default chain (top-k 40, top-p, min-p, temperature) with every penalty, over 24 tokens.
+/// default chain (top-k 40, top-p, min-p, temperature) with every penalty, over 24 tokens, both
+/// through `generate` and through the scheduler.
 #[test]
 fn engine_samples_on_the_device_as_on_the_host() {
     use infer::engine::sampler::SamplerConfig;
@@ -426,5 +427,7 @@ fn engine_samples_on_the_device_as_on_the_host() {
             r.device_samples, 23,
             "{cfg:?}: tokens after the first sampled on the device"
         );
+        assert_eq!(r.scheduler, r.host, "{cfg:?}: through the scheduler");
+        assert_eq!(r.scheduler_device_samples, 23, "{cfg:?}: scheduler");
     }
 }

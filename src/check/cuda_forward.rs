@@ -219,11 +219,17 @@ pub struct SampledCheck {
     pub engine: Vec<u32>,
     /// Launches of the `sample` kernel during `generate`.
     pub device_samples: usize,
+    /// Tokens of the same request through the scheduler (`scheduler::run_one`, as `infer run`
+    /// and the server's lone requests decode).
+    pub scheduler: Vec<u32>,
+    /// Launches of the `sample` kernel during that run.
+    pub scheduler_device_samples: usize,
 }
 
 /// `steps` tokens after `prompt` sampled with `cfg` twice on the CUDA backend: by `generate`
 /// (which samples on the device where it can) and by a host loop downloading each step's logits
-/// into the CPU [`Sampler`](crate::engine::sampler::Sampler); the two must be the same tokens.
+/// into the CPU [`Sampler`](crate::engine::sampler::Sampler), and through the scheduler; all
+/// three must be the same tokens.
 pub fn sampled(
     l: Arc<dyn Launch>,
     path: &Path,
@@ -281,10 +287,37 @@ pub fn sampled(
         Ok(())
     })?;
     let device_samples = counting.n.load(std::sync::atomic::Ordering::Relaxed) - device_before;
+
+    let mut r = runner(&g, backend(), n_ctx)?;
+    let spec = crate::engine::request::RequestSpec {
+        prompt: prompt.to_vec(),
+        params,
+        logprobs: None,
+        lookup: None,
+    };
+    let mut scheduler = Vec::new();
+    crate::engine::scheduler::run_one(
+        &mut r,
+        &tok,
+        &mut Sequence::default(),
+        spec,
+        &cancel,
+        &mut |_, _| {},
+        |e| {
+            if let crate::engine::request::Event::Token { id, .. } = e {
+                scheduler.push(*id);
+            }
+            Ok(())
+        },
+    )?;
+    let scheduler_device_samples =
+        counting.n.load(std::sync::atomic::Ordering::Relaxed) - device_before - device_samples;
     Ok(SampledCheck {
         host,
         engine,
         device_samples,
+        scheduler,
+        scheduler_device_samples,
     })
 }
 

@@ -295,7 +295,7 @@ pub fn generate_with<B: Backend>(
                     Some(d) => {
                         let history = &seq.tokens[..emitted_base + generated - shifted];
                         let window = sampler.penalty_window(history).to_vec();
-                        decided = Some(runner.compute_sampled(seq, d, &window)?);
+                        decided = Some(runner.compute_sampled(seq, d, &window, true)?);
                         Vec::new()
                     }
                     None => runner.compute(seq)?,

@@ -154,12 +154,14 @@ impl<B: Backend> Runner<B> {
     }
 
     /// [`Runner::compute`] that picks the next token where the logits are instead of returning
-    /// them ([`Model::forward_sample`]): only the id comes back.
+    /// them ([`Model::forward_sample`]): only the id comes back. `register`: full blocks enter
+    /// the prefix cache (as [`Runner::compute`] does).
     pub fn compute_sampled(
         &mut self,
         seq: &mut Sequence,
         sampler: &mut DeviceSampler,
         window: &[u32],
+        register: bool,
     ) -> Result<u32> {
         let (start, end) = (seq.n_cached, seq.tokens.len());
         if start >= end {
@@ -187,7 +189,9 @@ impl<B: Backend> Runner<B> {
                 self.model.forward(&mut self.kv, &batch)?;
             }
             seq.n_cached = stop;
-            seq.blocks.register_full(&seq.tokens, stop);
+            if register {
+                seq.blocks.register_full(&seq.tokens, stop);
+            }
         }
         id.ok_or_else(|| anyhow::anyhow!("no chunk ended the sequence"))
     }

@@ -641,6 +641,11 @@ impl Sampler {
         })
     }
 
+    /// Continues from RNG state `s` (a device sampler's, when sampling comes back to the host).
+    pub fn set_rng_state(&mut self, s: [u64; 4]) {
+        self.rng.s = s;
+    }
+
     fn penalised(&self) -> bool {
         let c = &self.cfg;
         (c.repeat_penalty != 1.0 || c.frequency_penalty != 0.0 || c.presence_penalty != 0.0)

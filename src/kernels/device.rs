@@ -623,6 +623,10 @@ impl Backend for DeviceBackend {
         }
     }
 
+    fn device_sampler_rng(&self, sampler: &DeviceSampler) -> Result<[u64; 4]> {
+        self.gpu().device_sampler_rng(sampler)
+    }
+
     fn take_host(&self, x: DevAct) -> Vec<f32> {
         match x {
             DevAct::Cpu(x) => x.data,

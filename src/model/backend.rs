@@ -472,6 +472,10 @@ pub trait Backend {
     ) -> Result<u32> {
         anyhow::bail!("the {} backend does not sample on the device", self.name())
     }
+    /// The RNG state of a sampler from [`Backend::device_sampler`] (to go on on the host).
+    fn device_sampler_rng(&self, _sampler: &DeviceSampler) -> Result<[u64; 4]> {
+        anyhow::bail!("the {} backend does not sample on the device", self.name())
+    }
 }
 
 /// Most candidates a device sampler's top-k takes (`SAMPLE_MAX_K` in `cuda/sample.cu`): the

@@ -578,6 +578,18 @@ impl Backend for CudaBackend {
         self.l.download(cs.out.ptr, &mut id)?;
         Ok(u32::from_le_bytes(id))
     }
+
+    fn device_sampler_rng(&self, sampler: &DeviceSampler) -> Result<[u64; 4]> {
+        let cs = sampler
+            .0
+            .downcast_ref::<CudaSampler>()
+            .ok_or_else(|| anyhow::anyhow!("a device sampler of another backend"))?;
+        let mut b = [0u8; 32];
+        self.l.download(cs.rng.ptr, &mut b)?;
+        Ok(std::array::from_fn(|i| {
+            u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
+        }))
+    }
 }
 
 /// [`CudaBackend`]'s device sampler: the kernel's parameters, the RNG state (4 u64), the chosen
