@@ -429,5 +429,9 @@ fn engine_samples_on_the_device_as_on_the_host() {
         );
         assert_eq!(r.scheduler, r.host, "{cfg:?}: through the scheduler");
         assert_eq!(r.scheduler_device_samples, 23, "{cfg:?}: scheduler");
+        assert_eq!(
+            r.joined, r.host,
+            "{cfg:?}: joined halfway by another request"
+        );
     }
 }

@@ -224,6 +224,9 @@ pub struct SampledCheck {
     pub scheduler: Vec<u32>,
     /// Launches of the `sample` kernel during that run.
     pub scheduler_device_samples: usize,
+    /// The same request's tokens through a scheduler where a second request joins it after
+    /// half of them (its sampling then moves back to the host).
+    pub joined: Vec<u32>,
 }
 
 /// `steps` tokens after `prompt` sampled with `cfg` twice on the CUDA backend: by `generate`
@@ -289,12 +292,7 @@ pub fn sampled(
     let device_samples = counting.n.load(std::sync::atomic::Ordering::Relaxed) - device_before;
 
     let mut r = runner(&g, backend(), n_ctx)?;
-    let spec = crate::engine::request::RequestSpec {
-        prompt: prompt.to_vec(),
-        params,
-        logprobs: None,
-        lookup: None,
-    };
+    let spec = spec_of(prompt, &params);
     let mut scheduler = Vec::new();
     crate::engine::scheduler::run_one(
         &mut r,
@@ -312,13 +310,63 @@ pub fn sampled(
     )?;
     let scheduler_device_samples =
         counting.n.load(std::sync::atomic::Ordering::Relaxed) - device_before - device_samples;
+
+    // The same request decoding alone (on the device) until a greedy one joins it halfway; from
+    // then on both sample on the host, the first continuing from its device RNG state.
+    let model = runner(&g, backend(), n_ctx)?.model;
+    let mut r = Runner::shared(model, n_ctx, 2)?;
+    let mut sched =
+        crate::engine::scheduler::Scheduler::new(crate::engine::scheduler::SchedulerConfig {
+            max_running: 2,
+            ..Default::default()
+        });
+    sched.submit(0, spec_of(prompt, &params))?;
+    let mut joined = Vec::new();
+    let mut events = Vec::new();
+    let mut done = 0;
+    let mut submitted = false;
+    while done < 2 {
+        if !submitted && joined.len() >= steps / 2 {
+            let other: Vec<u32> = prompt.iter().rev().copied().collect();
+            let mut p = params.clone();
+            p.sampler.temperature = 0.0;
+            p.max_tokens = steps / 4;
+            sched.submit(1, spec_of(&other, &p))?;
+            submitted = true;
+        }
+        sched.step(&mut r, &tok, &mut events)?;
+        for (id, e) in events.drain(..) {
+            match e {
+                crate::engine::request::Event::Token { id: t, .. } if id == 0 => joined.push(t),
+                crate::engine::request::Event::Done(_) => done += 1,
+                crate::engine::request::Event::Error(m) => anyhow::bail!("{m}"),
+                _ => {}
+            }
+        }
+        if !submitted && done == 1 {
+            anyhow::bail!("the first request ended before the second joined");
+        }
+    }
     Ok(SampledCheck {
+        joined,
         host,
         engine,
         device_samples,
         scheduler,
         scheduler_device_samples,
     })
+}
+
+fn spec_of(
+    prompt: &[u32],
+    params: &crate::engine::generate::GenParams,
+) -> crate::engine::request::RequestSpec {
+    crate::engine::request::RequestSpec {
+        prompt: prompt.to_vec(),
+        params: params.clone(),
+        logprobs: None,
+        lookup: None,
+    }
 }
 
 /// A [`Launch`] that counts launches of the `sample` kernel.
