@@ -285,6 +285,9 @@ pub fn generate_with<B: Backend>(
                 step.logits
             }
             (None, None) if device_ok => {
+                if !logits.is_empty() {
+                    runner.recycle(std::mem::take(&mut logits));
+                }
                 if device.is_none() {
                     device = sampler
                         .device_sampling(runner.vocab_size())
