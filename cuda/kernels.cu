@@ -5,3 +5,4 @@
 #include "ops.cu"
 #include "fused.cu"
 #include "attention.cu"
+#include "sample.cu"

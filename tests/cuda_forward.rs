@@ -395,3 +395,43 @@ fn greedy_decoding_agrees_for_64_tokens() {
         }
     }
 }
+
+/// The engine samples on the device (after the first token) and picks exactly the tokens the
+/// CPU sampler picks from the same backend's downloaded logits: greedy with penalties, and the
+/// default chain (top-k 40, top-p, min-p, temperature) with every penalty, over 24 tokens, both
+/// through `generate` and through the scheduler.
+#[test]
+fn engine_samples_on_the_device_as_on_the_host() {
+    use infer::engine::sampler::SamplerConfig;
+    let path = convert(&fixture("llama-gqa"), "llama-gqa", "q4_0");
+    let prompt: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 500).collect();
+    for cfg in [
+        SamplerConfig {
+            temperature: 0.0,
+            repeat_penalty: 1.3,
+            ..SamplerConfig::default()
+        },
+        SamplerConfig {
+            temperature: 1.3,
+            repeat_penalty: 1.1,
+            frequency_penalty: 0.2,
+            presence_penalty: 0.1,
+            seed: 99,
+            ..SamplerConfig::default()
+        },
+    ] {
+        let r =
+            check_forward::sampled(cuda_emu::emulator(), &path, &prompt, 24, cfg.clone()).unwrap();
+        assert_eq!(r.engine, r.host, "{cfg:?}");
+        assert_eq!(
+            r.device_samples, 23,
+            "{cfg:?}: tokens after the first sampled on the device"
+        );
+        assert_eq!(r.scheduler, r.host, "{cfg:?}: through the scheduler");
+        assert_eq!(r.scheduler_device_samples, 23, "{cfg:?}: scheduler");
+        assert_eq!(
+            r.joined, r.host,
+            "{cfg:?}: joined halfway by another request"
+        );
+    }
+}

@@ -71,3 +71,16 @@ fn emulator_runs_well_formed_warp_and_block_ops() {
         assert_eq!(*v, partner as f32 + 1000.0 * total, "thread {i}");
     }
 }
+
+#[test]
+fn device_sampler_picks_the_cpu_samplers_tokens() {
+    let l = cuda_emu::emulator();
+    let mut checks = Vec::new();
+    infer::check::cuda_sample::sample(&l, &[1531, 4099], 50, &mut checks).expect("launches");
+    let failed: Vec<String> = checks
+        .iter()
+        .filter(|c| !c.pass())
+        .map(|c| format!("{}: {} wrong", c.shape, c.err))
+        .collect();
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}

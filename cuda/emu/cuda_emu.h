@@ -136,6 +136,14 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }
+// Explicitly rounded arithmetic (never contracted into a fused multiply-add on the GPU; the host
+// build targets SSE2 without FMA, so plain operators round the same).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
 inline float __int_as_float(int i) {
   float f;
   std::memcpy(&f, &i, 4);

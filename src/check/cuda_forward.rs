@@ -15,7 +15,7 @@ use crate::engine::runner::{Runner, Sequence, BLOCK_SIZE};
 use crate::format::Gguf;
 use crate::kernels::cpu::backend::CpuBackend;
 use crate::kernels::cuda::backend::CudaBackend;
-use crate::kernels::cuda::launch::Launch;
+use crate::kernels::cuda::launch::{Arg, Launch};
 use crate::kernels::device::DeviceBackend;
 use crate::model::{Backend, Model, ModelConfig, Weights};
 
@@ -208,4 +208,196 @@ fn compare<B: Backend>(
         cpu_secs,
         cuda_secs,
     })
+}
+
+/// The engine's device sampling on a whole model (every layer on the CUDA backend over `l`).
+#[derive(Clone, Debug)]
+pub struct SampledCheck {
+    /// Tokens from the same backend's logits sampled on the host by `Sampler`.
+    pub host: Vec<u32>,
+    /// Tokens `generate` produced (after the first, picked on the device).
+    pub engine: Vec<u32>,
+    /// Launches of the `sample` kernel during `generate`.
+    pub device_samples: usize,
+    /// Tokens of the same request through the scheduler (`scheduler::run_one`, as `infer run`
+    /// and the server's lone requests decode).
+    pub scheduler: Vec<u32>,
+    /// Launches of the `sample` kernel during that run.
+    pub scheduler_device_samples: usize,
+    /// The same request's tokens through a scheduler where a second request joins it after
+    /// half of them (its sampling then moves back to the host).
+    pub joined: Vec<u32>,
+}
+
+/// `steps` tokens after `prompt` sampled with `cfg` twice on the CUDA backend: by `generate`
+/// (which samples on the device where it can) and by a host loop downloading each step's logits
+/// into the CPU [`Sampler`](crate::engine::sampler::Sampler), and through the scheduler; all
+/// three must be the same tokens.
+pub fn sampled(
+    l: Arc<dyn Launch>,
+    path: &Path,
+    prompt: &[u32],
+    steps: usize,
+    cfg: crate::engine::sampler::SamplerConfig,
+) -> Result<SampledCheck> {
+    use crate::engine::generate::{generate, GenParams};
+    use crate::engine::sampler::Sampler;
+    let g = Arc::new(Gguf::open(path).with_context(|| format!("reading {}", path.display()))?);
+    let n_ctx = (prompt.len() + steps + 1).next_multiple_of(BLOCK_SIZE);
+    let n_layer = ModelConfig::from_gguf(&g)?.n_layer;
+    let counting = Arc::new(CountSamples {
+        inner: l,
+        n: Default::default(),
+    });
+    let l: Arc<dyn Launch> = counting.clone();
+    let backend = || {
+        DeviceBackend::hybrid(
+            CpuBackend::new(2),
+            CudaBackend::new(l.clone()),
+            n_layer,
+            n_layer,
+        )
+    };
+
+    let mut r = runner(&g, backend(), n_ctx)?;
+    let mut seq = Sequence::new(prompt.to_vec());
+    let mut sampler = Sampler::new(cfg.clone());
+    let mut logits = r.compute(&mut seq)?;
+    let mut host = Vec::new();
+    for _ in 0..steps {
+        let id = sampler.sample(&logits, &seq.tokens);
+        host.push(id);
+        seq.tokens.push(id);
+        logits = r.compute(&mut seq)?;
+    }
+    drop(seq);
+    let device_before = counting.n.load(std::sync::atomic::Ordering::Relaxed);
+
+    let mut r = runner(&g, backend(), n_ctx)?;
+    let tok = crate::tokenizer::Tokenizer::from_gguf(&g)?;
+    let params = GenParams {
+        max_tokens: steps,
+        sampler: cfg,
+        stop: Vec::new(),
+        ignore_eos: true,
+        constraint: None,
+    };
+    let mut engine = Vec::new();
+    let cancel = std::sync::atomic::AtomicBool::new(false);
+    let mut seq = Sequence::default();
+    generate(&mut r, &mut seq, &tok, prompt, &params, &cancel, |id, _| {
+        engine.extend(id);
+        Ok(())
+    })?;
+    let device_samples = counting.n.load(std::sync::atomic::Ordering::Relaxed) - device_before;
+
+    let mut r = runner(&g, backend(), n_ctx)?;
+    let spec = spec_of(prompt, &params);
+    let mut scheduler = Vec::new();
+    crate::engine::scheduler::run_one(
+        &mut r,
+        &tok,
+        &mut Sequence::default(),
+        spec,
+        &cancel,
+        &mut |_, _| {},
+        |e| {
+            if let crate::engine::request::Event::Token { id, .. } = e {
+                scheduler.push(*id);
+            }
+            Ok(())
+        },
+    )?;
+    let scheduler_device_samples =
+        counting.n.load(std::sync::atomic::Ordering::Relaxed) - device_before - device_samples;
+
+    // The same request decoding alone (on the device) until a greedy one joins it halfway; from
+    // then on both sample on the host, the first continuing from its device RNG state.
+    let model = runner(&g, backend(), n_ctx)?.model;
+    let mut r = Runner::shared(model, n_ctx, 2)?;
+    let mut sched =
+        crate::engine::scheduler::Scheduler::new(crate::engine::scheduler::SchedulerConfig {
+            max_running: 2,
+            ..Default::default()
+        });
+    sched.submit(0, spec_of(prompt, &params))?;
+    let mut joined = Vec::new();
+    let mut events = Vec::new();
+    let mut done = 0;
+    let mut submitted = false;
+    while done < 2 {
+        if !submitted && joined.len() >= steps / 2 {
+            let other: Vec<u32> = prompt.iter().rev().copied().collect();
+            let mut p = params.clone();
+            p.sampler.temperature = 0.0;
+            p.max_tokens = steps / 4;
+            sched.submit(1, spec_of(&other, &p))?;
+            submitted = true;
+        }
+        sched.step(&mut r, &tok, &mut events)?;
+        for (id, e) in events.drain(..) {
+            match e {
+                crate::engine::request::Event::Token { id: t, .. } if id == 0 => joined.push(t),
+                crate::engine::request::Event::Done(_) => done += 1,
+                crate::engine::request::Event::Error(m) => anyhow::bail!("{m}"),
+                _ => {}
+            }
+        }
+        if !submitted && done == 1 {
+            anyhow::bail!("the first request ended before the second joined");
+        }
+    }
+    Ok(SampledCheck {
+        joined,
+        host,
+        engine,
+        device_samples,
+        scheduler,
+        scheduler_device_samples,
+    })
+}
+
+fn spec_of(
+    prompt: &[u32],
+    params: &crate::engine::generate::GenParams,
+) -> crate::engine::request::RequestSpec {
+    crate::engine::request::RequestSpec {
+        prompt: prompt.to_vec(),
+        params: params.clone(),
+        logprobs: None,
+        lookup: None,
+    }
+}
+
+/// A [`Launch`] that counts launches of the `sample` kernel.
+struct CountSamples {
+    inner: Arc<dyn Launch>,
+    n: std::sync::atomic::AtomicUsize,
+}
+
+impl Launch for CountSamples {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn alloc(&self, bytes: usize) -> Result<u64> {
+        self.inner.alloc(bytes)
+    }
+    fn free(&self, ptr: u64) {
+        self.inner.free(ptr)
+    }
+    fn upload(&self, dst: u64, src: &[u8]) -> Result<()> {
+        self.inner.upload(dst, src)
+    }
+    fn download(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        self.inner.download(src, dst)
+    }
+    fn launch(&self, name: &str, grid: [u32; 3], block: [u32; 3], args: &[Arg]) -> Result<()> {
+        if name == "sample" {
+            self.n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.inner.launch(name, grid, block, args)
+    }
+    fn sync(&self) -> Result<()> {
+        self.inner.sync()
+    }
 }

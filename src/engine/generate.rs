@@ -14,6 +14,7 @@ use crate::engine::runner::{Runner, Sequence};
 use crate::engine::sampler::{log_softmax_top, Sampler, SamplerConfig};
 use crate::engine::speculative::Speculator;
 use crate::engine::stop::StopMatcher;
+use crate::model::backend::DeviceSampler;
 use crate::model::Backend;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
@@ -205,6 +206,17 @@ pub fn generate_with<B: Backend>(
     let mut verified: std::collections::VecDeque<(u32, Vec<f32>)> = Default::default();
     let mut decided: Option<u32> = None;
     let emitted_base = seq.tokens.len();
+    // Sampling on the device: after the first token (sampled here from the prompt's logits), the
+    // backend picks each token where the logits are and only its id comes back, when it can
+    // (CUDA with the output head on the GPU), the configuration is one it samples exactly as the
+    // host would (`Sampler::device_sampling`), and nothing else needs the logits on the host
+    // (structured output, log-probabilities, speculation). Its RNG continues from the host
+    // sampler's, so the tokens are the host path's. `INFER_DEVICE_SAMPLING=0` turns it off.
+    let mut device_ok = hooks.logprobs.is_none()
+        && constraint.is_none()
+        && spec.is_none()
+        && std::env::var("INFER_DEVICE_SAMPLING").map_or(true, |v| v != "0");
+    let mut device: Option<DeviceSampler> = None;
     let stop = loop {
         if cancel.load(Ordering::Relaxed) {
             break StopReason::Interrupted;
@@ -271,6 +283,26 @@ pub fn generate_with<B: Backend>(
                 verified = step.accepted;
                 decided = step.rejected_with;
                 step.logits
+            }
+            (None, None) if device_ok => {
+                if !logits.is_empty() {
+                    runner.recycle(std::mem::take(&mut logits));
+                }
+                if device.is_none() {
+                    device = sampler
+                        .device_sampling(runner.vocab_size())
+                        .and_then(|s| runner.model.backend.device_sampler(&s));
+                    device_ok = device.is_some();
+                }
+                match device.as_mut() {
+                    Some(d) => {
+                        let history = &seq.tokens[..emitted_base + generated - shifted];
+                        let window = sampler.penalty_window(history).to_vec();
+                        decided = Some(runner.compute_sampled(seq, d, &window, true)?);
+                        Vec::new()
+                    }
+                    None => runner.compute(seq)?,
+                }
             }
             (None, None) => {
                 runner.recycle(std::mem::take(&mut logits));

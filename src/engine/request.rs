@@ -12,6 +12,7 @@ use crate::engine::generate::{GenParams, GenStats, StopReason, TokenLogprobs};
 use crate::engine::sampler::{log_softmax_top, Sampler};
 use crate::engine::speculative::{next_draft_len, PromptLookup};
 use crate::engine::stop::StopMatcher;
+use crate::model::backend::{DeviceSampler, DeviceSampling};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 
 /// Identifies a request to its submitter.
@@ -98,6 +99,11 @@ pub struct Request {
     pub constraint: Option<Box<Constraint>>,
     /// The constrained copy of a step's logits (reused from step to step).
     masked: Vec<f32>,
+    /// The request's sampler on the device, while its tokens are sampled there (see
+    /// `Scheduler::decode`).
+    pub device: Option<DeviceSampler>,
+    /// The backend offered no device sampler for it.
+    device_refused: bool,
 }
 
 impl Request {
@@ -105,6 +111,8 @@ impl Request {
         Request {
             constraint: spec.params.constraint.take(),
             masked: Vec::new(),
+            device: None,
+            device_refused: false,
             id,
             sampler: Sampler::new(spec.params.sampler.clone()),
             stops: StopMatcher::new(spec.params.stop.clone()),
@@ -187,6 +195,72 @@ impl Request {
             let (logprob, top) = log_softmax_top(logits, id, n);
             TokenLogprobs { logprob, top }
         });
+        self.emit(id, logprobs, tok, room, out)
+    }
+
+    /// The parameters to sample this request on the device from now on, or None where it must
+    /// stay on the host: structured output (its masks), log-probabilities and prompt-lookup
+    /// drafts need the logits, some configurations are not sampled on the device
+    /// (`Sampler::device_sampling`), or `INFER_DEVICE_SAMPLING=0`.
+    pub fn device_sampling(&self, n_vocab: usize) -> Option<DeviceSampling> {
+        if self.device_refused
+            || self.constraint.is_some()
+            || self.spec.logprobs.is_some()
+            || self.lookup.is_some()
+            || std::env::var("INFER_DEVICE_SAMPLING").is_ok_and(|v| v == "0")
+        {
+            return None;
+        }
+        self.sampler.device_sampling(n_vocab)
+    }
+
+    /// Records that the backend offered no device sampler: the request stays on the host.
+    pub fn refuse_device(&mut self) {
+        self.device_refused = true;
+    }
+
+    /// The penalty window of the request's sampler over `history`.
+    pub fn penalty_window(&self, history: &[u32]) -> Vec<u32> {
+        self.sampler.penalty_window(history).to_vec()
+    }
+
+    /// Back to host sampling, the host RNG continuing from the device's state `rng`.
+    pub fn leave_device(&mut self, rng: [u64; 4]) {
+        self.sampler.set_rng_state(rng);
+        self.device = None;
+    }
+
+    /// [`Request::on_logits`] for a token the device sampler picked (no constraint, no
+    /// log-probabilities: see [`Request::device_sampling`]).
+    pub fn on_device_token(
+        &mut self,
+        id: u32,
+        tok: &Tokenizer,
+        room: bool,
+        out: &mut Vec<Event>,
+    ) -> (Option<u32>, bool) {
+        if self.generated >= self.spec.params.max_tokens {
+            self.finish(StopReason::Length, out);
+            return (None, false);
+        }
+        self.first_token.get_or_insert_with(Instant::now);
+        if tok.is_eog(id) && !self.spec.params.ignore_eos {
+            self.finish(StopReason::Eos, out);
+            return (None, false);
+        }
+        self.emit(id, None, tok, room, out)
+    }
+
+    /// Reports the sampled token `id` and decides whether the request goes on (the end of
+    /// [`Request::on_logits`]).
+    fn emit(
+        &mut self,
+        id: u32,
+        logprobs: Option<TokenLogprobs>,
+        tok: &Tokenizer,
+        room: bool,
+        out: &mut Vec<Event>,
+    ) -> (Option<u32>, bool) {
         self.generated += 1;
         let text = self.utf8.push(&tok.token_bytes(id));
         let (text, hit) = self.stops.push(&text);

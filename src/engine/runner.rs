@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use anyhow::{bail, Result};
 
 use crate::engine::kv_blocks::{BlockPool, BlockTable};
-use crate::model::backend::KvType;
+use crate::model::backend::{DeviceSampler, KvType};
 use crate::model::{Backend, BatchEntry, Model};
 
 /// Positions per KV block.
@@ -151,6 +151,49 @@ impl<B: Backend> Runner<B> {
         let end = seq.tokens.len();
         self.compute_with(seq, end, |i| i + 1 == end, progress, true)
             .map(|mut l| l.pop().expect("last row always has logits"))
+    }
+
+    /// [`Runner::compute`] that picks the next token where the logits are instead of returning
+    /// them ([`Model::forward_sample`]): only the id comes back. `register`: full blocks enter
+    /// the prefix cache (as [`Runner::compute`] does).
+    pub fn compute_sampled(
+        &mut self,
+        seq: &mut Sequence,
+        sampler: &mut DeviceSampler,
+        window: &[u32],
+        register: bool,
+    ) -> Result<u32> {
+        let (start, end) = (seq.n_cached, seq.tokens.len());
+        if start >= end {
+            bail!("nothing to compute: every token of the sequence is cached");
+        }
+        self.prepare(seq, start, end)?;
+        let mut id = None;
+        for base in (start..end).step_by(PREFILL_CHUNK) {
+            let stop = (base + PREFILL_CHUNK).min(end);
+            let batch: Vec<BatchEntry<'_>> = (base..stop)
+                .map(|pos| BatchEntry {
+                    token: seq.tokens[pos],
+                    pos: pos as u32,
+                    seq: seq.id,
+                    block_table: seq.blocks.blocks(),
+                    logits: pos + 1 == end,
+                })
+                .collect();
+            if stop == end {
+                id = Some(
+                    self.model
+                        .forward_sample(&mut self.kv, &batch, sampler, window)?,
+                );
+            } else {
+                self.model.forward(&mut self.kv, &batch)?;
+            }
+            seq.n_cached = stop;
+            if register {
+                seq.blocks.register_full(&seq.tokens, stop);
+            }
+        }
+        id.ok_or_else(|| anyhow::anyhow!("no chunk ended the sequence"))
     }
 
     /// Computes the uncached tokens and returns logits for every one of them (speculative verification).

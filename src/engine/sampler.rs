@@ -18,6 +18,8 @@ use std::sync::Arc;
 
 use crate::engine::dry::{Dry, DryScratch};
 
+use crate::model::backend::{DeviceSampling, DEVICE_SAMPLE_MAX_K};
+
 /// Sampling parameters. `Default` gives llama.cpp's defaults.
 #[derive(Clone, Debug)]
 pub struct SamplerConfig {
@@ -610,6 +612,67 @@ impl Sampler {
     /// Whether this sampler is greedy (its distribution is always one-hot).
     pub fn is_greedy(&self) -> bool {
         self.cfg.temperature <= 0.0
+    }
+
+    /// The parameters for a device sampler that picks exactly the tokens this one would from
+    /// here on (its RNG continues from this sampler's current state), or None where the device
+    /// cannot: temperature > 0 with top-k off, at or above `n_vocab`, or above
+    /// [`DEVICE_SAMPLE_MAX_K`] (the host's unsorted full-vocabulary paths sum their weights in
+    /// an order a parallel kernel would have to serialise), a non-finite parameter, or DRY (on
+    /// the host only).
+    pub fn device_sampling(&self, n_vocab: usize) -> Option<DeviceSampling> {
+        let c = &self.cfg;
+        if c.dry.as_deref().is_some_and(Dry::active) {
+            return None;
+        }
+        let greedy = c.temperature <= 0.0;
+        let inv_temp = if greedy { 1.0 } else { 1.0 / c.temperature };
+        let finite = [
+            c.temperature,
+            c.top_p,
+            c.min_p,
+            c.repeat_penalty,
+            c.frequency_penalty,
+            c.presence_penalty,
+            inv_temp,
+        ]
+        .iter()
+        .all(|x| x.is_finite());
+        if !finite || (!greedy && !(1..n_vocab.min(DEVICE_SAMPLE_MAX_K + 1)).contains(&c.top_k)) {
+            return None;
+        }
+        Some(DeviceSampling {
+            top_k: if greedy { 0 } else { c.top_k },
+            top_p: c.top_p,
+            min_p: c.min_p,
+            ln_min_p: if c.min_p > 0.0 { c.min_p.ln() } else { 0.0 },
+            inv_temp,
+            repeat_penalty: c.repeat_penalty,
+            frequency_penalty: c.frequency_penalty,
+            presence_penalty: c.presence_penalty,
+            penalised: self.penalised(),
+            rng: self.rng.s,
+        })
+    }
+
+    /// Continues from RNG state `s` (a device sampler's, when sampling comes back to the host).
+    pub fn set_rng_state(&mut self, s: [u64; 4]) {
+        self.rng.s = s;
+    }
+
+    fn penalised(&self) -> bool {
+        let c = &self.cfg;
+        (c.repeat_penalty != 1.0 || c.frequency_penalty != 0.0 || c.presence_penalty != 0.0)
+            && c.repeat_last_n > 0
+    }
+
+    /// The tokens of `history` the penalties look at: its last `repeat_last_n`, or none when
+    /// no penalty is on.
+    pub fn penalty_window<'a>(&self, history: &'a [u32]) -> &'a [u32] {
+        match self.penalised() {
+            true => &history[history.len().saturating_sub(self.cfg.repeat_last_n)..],
+            false => &[],
+        }
     }
 }
 

@@ -413,6 +413,51 @@ impl Scheduler {
             s.seq.tokens.extend_from_slice(&d);
             drafts.push(d);
         }
+        // A lone decode row samples on the device where the backend and the request allow it
+        // (only its id comes back); any other step samples on the host, so a request that was
+        // sampled on the device takes its RNG state back first.
+        let lone = rows.len() == 1
+            && drafts[0].is_empty()
+            && rows[0].seq.tokens.len() == rows[0].seq.n_cached + 1;
+        for s in rows.iter_mut() {
+            if lone && s.req.device.is_none() {
+                if let Some(ds) = s.req.device_sampling(runner.vocab_size()) {
+                    s.req.device = runner.model.backend.device_sampler(&ds);
+                    if s.req.device.is_none() {
+                        s.req.refuse_device();
+                    }
+                }
+            }
+            if !lone {
+                if let Some(d) = &s.req.device {
+                    let rng = runner.model.backend.device_sampler_rng(d)?;
+                    s.req.leave_device(rng);
+                }
+            }
+        }
+        if lone {
+            let s = &mut rows[0];
+            if let Some(mut d) = s.req.device.take() {
+                self.stats.decode_rows += 1;
+                let window = s.req.penalty_window(&s.seq.tokens);
+                let reuse = self.cfg.reuse == Reuse::Most;
+                let id = runner.compute_sampled(&mut s.seq, &mut d, &window, reuse);
+                s.req.device = Some(d);
+                let id = id?;
+                let room = s.seq.tokens.len() + 1 < seq_len;
+                let mut ev = Vec::new();
+                let (next, alive) = s.req.on_device_token(id, tok, room, &mut ev);
+                out.extend(ev.into_iter().map(|e| (s.req.id, e)));
+                s.seq.tokens.extend(next);
+                if !alive {
+                    let id = s.req.id;
+                    for s in extract(&mut self.running, |s| s.req.id == id) {
+                        self.retire(s);
+                    }
+                }
+                return Ok(());
+            }
+        }
         // Logits from the last chosen token on: one row, or one per draft plus one.
         let from: Vec<usize> = rows
             .iter()

@@ -14,7 +14,8 @@ use crate::kernels::cpu::backend::{CpuAct, CpuBackend, CpuKv, CpuWeight};
 use crate::kernels::cuda::backend::{CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight};
 use crate::model::backend::{
     attention_block_steps, ffn_dense_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch,
-    AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+    AttnShape, Backend, DeviceSampler, DeviceSampling, HeadCopy, KvType, MatmulJob, Rope,
+    WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -600,6 +601,30 @@ impl Backend for DeviceBackend {
             DevAct::Cpu(x) => x.data.clone(),
             DevAct::Cuda(x) => self.gpu().to_host(x),
         }
+    }
+
+    fn device_sampler(&self, s: &DeviceSampling) -> Option<DeviceSampler> {
+        // Only where the output head (and so the logits) is on the GPU.
+        match self.on_gpu(None) {
+            true => self.gpu().device_sampler(s),
+            false => None,
+        }
+    }
+
+    fn sample_on_device(
+        &self,
+        logits: &mut DevAct,
+        sampler: &mut DeviceSampler,
+        window: &[u32],
+    ) -> Result<u32> {
+        match logits {
+            DevAct::Cuda(x) => self.gpu().sample_on_device(x, sampler, window),
+            DevAct::Cpu(_) => anyhow::bail!("device sampling of logits on the CPU"),
+        }
+    }
+
+    fn device_sampler_rng(&self, sampler: &DeviceSampler) -> Result<[u64; 4]> {
+        self.gpu().device_sampler_rng(sampler)
     }
 
     fn take_host(&self, x: DevAct) -> Vec<f32> {

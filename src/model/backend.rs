@@ -453,4 +453,59 @@ pub trait Backend {
     /// Gives a vector from [`Backend::take_host`] back for a later
     /// [`Backend::act_for_overwrite`] to reuse; the default drops it.
     fn recycle(&self, _host: Vec<f32>) {}
+
+    /// A sampler that picks tokens where this backend keeps the logits, so that only ids come
+    /// back (see [`DeviceSampling`]); its RNG state starts at `s.rng` and lives on the device.
+    /// None (the default, and the CPU backend) means the engine samples on the host.
+    fn device_sampler(&self, _s: &DeviceSampling) -> Option<DeviceSampler> {
+        None
+    }
+    /// Picks a token from the last row of `logits` (the model's output, which this may change)
+    /// with a sampler from [`Backend::device_sampler`], advancing its RNG as the CPU sampler
+    /// would. `window` is the penalty window (the last `repeat_last_n` tokens of the history, or
+    /// nothing when no penalty is on).
+    fn sample_on_device(
+        &self,
+        _logits: &mut Self::Act,
+        _sampler: &mut DeviceSampler,
+        _window: &[u32],
+    ) -> Result<u32> {
+        anyhow::bail!("the {} backend does not sample on the device", self.name())
+    }
+    /// The RNG state of a sampler from [`Backend::device_sampler`] (to go on on the host).
+    fn device_sampler_rng(&self, _sampler: &DeviceSampler) -> Result<[u64; 4]> {
+        anyhow::bail!("the {} backend does not sample on the device", self.name())
+    }
 }
+
+/// Most candidates a device sampler's top-k takes (`SAMPLE_MAX_K` in `cuda/sample.cu`): the
+/// sorted candidate list lives in one block's shared memory.
+pub const DEVICE_SAMPLE_MAX_K: usize = 1024;
+
+/// The CPU sampler's chain (`engine::sampler`) reduced to the numbers a device sampler reads,
+/// built only for configurations the device samples exactly as the host does (greedy, or a
+/// top-k of 1..=[`DEVICE_SAMPLE_MAX_K`] below the vocabulary size, with any top-p, min-p,
+/// temperature and penalties).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceSampling {
+    /// 0: greedy (argmax of the penalised logits); else the top-k.
+    pub top_k: usize,
+    /// 1.0: off.
+    pub top_p: f32,
+    /// 0.0: off.
+    pub min_p: f32,
+    /// `min_p.ln()` as the host computes it (the device has no bit-identical `ln`).
+    pub ln_min_p: f32,
+    /// `1 / temperature` as the host computes it.
+    pub inv_temp: f32,
+    pub repeat_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// Whether any penalty is on (then the window given to each sample counts).
+    pub penalised: bool,
+    /// The xoshiro256** state to continue from.
+    pub rng: [u64; 4],
+}
+
+/// A backend's device-side sampler state (buffers and the RNG), opaque to the engine.
+pub struct DeviceSampler(pub Box<dyn std::any::Any + Send>);

@@ -10,7 +10,7 @@
 use anyhow::{bail, Result};
 
 use crate::model::backend::{
-    AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend, Rope,
+    AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend, DeviceSampler, Rope,
 };
 use crate::model::config::ModelConfig;
 use crate::model::weights::{Attn, Ffn, Weights};
@@ -52,11 +52,52 @@ impl<B: Backend> Model<B> {
         batch: &[BatchEntry<'_>],
         layers: usize,
     ) -> Result<Vec<Vec<f32>>> {
+        let Some(logits) = self.forward_logits(kv, batch, layers)? else {
+            return Ok(Vec::new());
+        };
+        let rows = self.backend.rows(&logits);
+        let flat = self.backend.take_host(logits);
+        if rows == 1 {
+            return Ok(vec![flat]); // decode: no copy of the one row
+        }
+        Ok(flat
+            .chunks_exact(self.cfg.vocab_size)
+            .map(|r| r.to_vec())
+            .collect())
+    }
+
+    /// Runs the batch and picks the next token from the last entry's logits where they are, with
+    /// a sampler from [`Backend::device_sampler`] (`window`: its penalty window); the logits
+    /// never come back to the host. The last entry must want logits.
+    pub fn forward_sample(
+        &self,
+        kv: &mut B::Kv,
+        batch: &[BatchEntry<'_>],
+        sampler: &mut DeviceSampler,
+        window: &[u32],
+    ) -> Result<u32> {
+        if !batch.last().is_some_and(|e| e.logits) {
+            bail!("device sampling needs the last entry's logits");
+        }
+        let mut logits = self
+            .forward_logits(kv, batch, self.cfg.n_layer)?
+            .expect("the last entry wants logits");
+        self.backend.sample_on_device(&mut logits, sampler, window)
+    }
+
+    /// The forward pass up to the logits of the entries that want them (a rows × vocabulary
+    /// activation on the backend, in batch order), or None when none does.
+    fn forward_logits(
+        &self,
+        kv: &mut B::Kv,
+        batch: &[BatchEntry<'_>],
+        layers: usize,
+    ) -> Result<Option<B::Act>> {
         let (cfg, w, be) = (&self.cfg, &self.weights, &self.backend);
         let layers = layers.clamp(1, cfg.n_layer);
         let n = batch.len();
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let bs = self.block_size;
         let mut slots = Vec::with_capacity(n);
@@ -186,7 +227,7 @@ impl<B: Backend> Model<B> {
             if il + 1 == layers && want.len() < n {
                 // Only the rows that want logits go on (llama.cpp's `inp_out_ids`).
                 if want.is_empty() {
-                    return Ok(Vec::new());
+                    return Ok(None);
                 }
                 o = be.gather_rows(&o, &want);
                 x = be.gather_rows(&x, &want);
@@ -218,7 +259,7 @@ impl<B: Backend> Model<B> {
         // output head: x holds only the rows that want logits now; the last layer's feed-forward
         // output (in o) joins it with the final norm
         if want.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let mut hs = be.act(want.len(), d);
         let pn = w.layers[layers - 1].post_ffn_norm.as_ref();
@@ -230,13 +271,6 @@ impl<B: Backend> Model<B> {
             None,
             &mut logits,
         );
-        let flat = be.take_host(logits);
-        if want.len() == 1 {
-            return Ok(vec![flat]); // decode: no copy of the one row
-        }
-        Ok(flat
-            .chunks_exact(cfg.vocab_size)
-            .map(|r| r.to_vec())
-            .collect())
+        Ok(Some(logits))
     }
 }

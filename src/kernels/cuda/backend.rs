@@ -19,7 +19,7 @@ use super::sublayers::Q8Ready;
 use crate::format::GgmlType;
 use crate::model::backend::{
     attention_block_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend,
-    HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+    DeviceSampler, DeviceSampling, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -517,4 +517,86 @@ impl Backend for CudaBackend {
         v.truncate(x.rows * x.cols);
         v
     }
+
+    fn device_sampler(&self, s: &DeviceSampling) -> Option<DeviceSampler> {
+        let rng: Vec<u8> = s.rng.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let state = (|| -> Result<CudaSampler> {
+            Ok(CudaSampler {
+                s: s.clone(),
+                rng: DevBuf::from_bytes(&self.l, &rng)?,
+                out: DevBuf::new(&self.l, 4)?,
+                window: None,
+            })
+        })();
+        match state {
+            Ok(state) => Some(DeviceSampler(Box::new(state))),
+            Err(e) => {
+                eprintln!("infer: sampling on the host ({e:#})");
+                None
+            }
+        }
+    }
+
+    fn sample_on_device(
+        &self,
+        logits: &mut CudaAct,
+        sampler: &mut DeviceSampler,
+        window: &[u32],
+    ) -> Result<u32> {
+        let cs = sampler
+            .0
+            .downcast_mut::<CudaSampler>()
+            .ok_or_else(|| anyhow::anyhow!("a device sampler of another backend"))?;
+        anyhow::ensure!(logits.rows > 0, "sampling from no logits");
+        let n = logits.cols;
+        let row = logits.buf.ptr + ((logits.rows - 1) * n * 4) as u64;
+        let window = if cs.s.penalised { window } else { &[] };
+        let win = if window.is_empty() {
+            0
+        } else {
+            let bytes: Vec<u8> = window.iter().flat_map(|v| v.to_le_bytes()).collect();
+            if cs.window.as_ref().is_none_or(|b| b.bytes < bytes.len()) {
+                cs.window = None;
+                cs.window = Some(DevBuf::new(&self.l, bytes.len().next_power_of_two())?);
+            }
+            let w = cs.window.as_ref().map_or(0, |b| b.ptr);
+            self.l().upload(w, &bytes)?;
+            w
+        };
+        let wlen = window.len();
+        ops::sample(
+            self.l(),
+            row,
+            (win, wlen),
+            &cs.s,
+            cs.rng.ptr,
+            cs.out.ptr,
+            1,
+            n,
+        )?;
+        let mut id = [0u8; 4];
+        self.l.download(cs.out.ptr, &mut id)?;
+        Ok(u32::from_le_bytes(id))
+    }
+
+    fn device_sampler_rng(&self, sampler: &DeviceSampler) -> Result<[u64; 4]> {
+        let cs = sampler
+            .0
+            .downcast_ref::<CudaSampler>()
+            .ok_or_else(|| anyhow::anyhow!("a device sampler of another backend"))?;
+        let mut b = [0u8; 32];
+        self.l.download(cs.rng.ptr, &mut b)?;
+        Ok(std::array::from_fn(|i| {
+            u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
+        }))
+    }
+}
+
+/// [`CudaBackend`]'s device sampler: the kernel's parameters, the RNG state (4 u64), the chosen
+/// id and a penalty-window buffer (grown as needed), all in device memory.
+struct CudaSampler {
+    s: DeviceSampling,
+    rng: DevBuf,
+    out: DevBuf,
+    window: Option<DevBuf>,
 }

@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 
 use super::launch::{Arg, Launch};
 use crate::format::GgmlType;
-use crate::model::backend::HeadCopy;
+use crate::model::backend::{DeviceSampling, HeadCopy, DEVICE_SAMPLE_MAX_K};
 use crate::model::config::{Activation, RopeStyle};
 
 /// Keys per split of the attention kernel (`ATTN_SPLIT` in attention.cu).
@@ -519,6 +519,46 @@ pub fn top_k(
         i32a(k),
     ];
     l.launch("top_k", [rows as u32, 1, 1], [256, 1, 1], &args)
+}
+
+/// Threads per block of the `sample` kernel (`SAMPLE_THREADS` in sample.cu).
+pub const SAMPLE_THREADS: u32 = 512;
+
+/// Samples one token from each of `rows` rows of `n` logits at `x` (penalised in place) into
+/// `out` (i32 a row), as `Sampler::sample` would: `win` holds `wlen` penalty-window ids a row,
+/// `rng` 4 u64 a row (advanced once a row unless greedy). See `cuda/sample.cu`.
+#[allow(clippy::too_many_arguments)]
+pub fn sample(
+    l: &dyn Launch,
+    x: u64,
+    (win, wlen): (u64, usize),
+    s: &DeviceSampling,
+    rng: u64,
+    out: u64,
+    rows: usize,
+    n: usize,
+) -> Result<()> {
+    if s.top_k > DEVICE_SAMPLE_MAX_K || (s.top_k > 0 && s.top_k >= n) {
+        bail!("sample: top-k {} for rows of {n}", s.top_k);
+    }
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(win),
+        i32a(if s.penalised { wlen } else { 0 }),
+        i32a(s.penalised as usize),
+        Arg::F32(s.repeat_penalty),
+        Arg::F32(s.frequency_penalty),
+        Arg::F32(s.presence_penalty),
+        i32a(n),
+        i32a(s.top_k),
+        Arg::F32(s.top_p),
+        Arg::F32(s.min_p),
+        Arg::F32(s.ln_min_p),
+        Arg::F32(s.inv_temp),
+        Arg::Ptr(rng),
+        Arg::Ptr(out),
+    ];
+    l.launch("sample", [rows as u32, 1, 1], [SAMPLE_THREADS, 1, 1], &args)
 }
 
 /// The attention problem for [`attention`]: buffers and sizes.
