@@ -438,7 +438,7 @@ fn attention() {
     for (name, n_head, n_kv, hd) in [("qwen2 1.5B", 12, 2, 128), ("gemma3 270M", 4, 1, 256)] {
         let (bs, ctx) = (16usize, 2048usize);
         let mut kv = be
-            .alloc_kv(1, ctx / bs, bs, n_kv * hd, KvType::F16)
+            .alloc_kv(1, ctx / bs, bs, n_kv * hd, hd, KvType::F16)
             .expect("kv cache");
         let table: Vec<u32> = (0..(ctx / bs) as u32).collect();
         let (mut k, mut v) = (be.act(1, n_kv * hd), be.act(1, n_kv * hd));

@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! magic "INFERKV\0", version u32
-//! model fingerprint u64 (Gguf::fingerprint), KV type u8 (0 f16, 1 f32), n_layer u32, kv_dim u32, block_size u32
+//! model fingerprint u64 (Gguf::fingerprint), KV type u8 (0 f16, 1 f32, 32.. quantized), n_layer u32, kv_dim u32, block_size u32
 //! n_tokens u32, tokens [u32; n_tokens]
 //! n_logits u32, logits [f32; n_logits]            (after the last token)
 //! n_kv u64, K/V bytes [u8; n_kv]                   (Backend::kv_export of the prompt's blocks)
@@ -71,7 +71,9 @@ pub enum Refusal {
     Checksum,
 }
 
-/// The K/V types of ids 16.. (`16 + 3 * k + v` in [`CacheType::ALL`]'s order), as named.
+/// The K/V types of quantized ids (`32 + 3 * k + v` in [`CacheType::ALL`]'s order), as named.
+/// Ids 16..=24, the same types written before quantized rows were rotated
+/// (`attention::rotate`), are another type: their bytes mean other values.
 const QUANT_NAMES: [&str; 9] = [
     "f16/f16",
     "f16/q8_0",
@@ -89,7 +91,7 @@ fn type_id(t: KvType) -> u8 {
     match t {
         KvType::F16 => 0,
         KvType::F32 => 1,
-        KvType::Quant { k, v } => 16 + 3 * index(k) + index(v),
+        KvType::Quant { k, v } => 32 + 3 * index(k) + index(v),
     }
 }
 
@@ -97,7 +99,8 @@ fn type_name(id: u8) -> &'static str {
     match id {
         0 => "f16",
         1 => "f32",
-        16..=24 => QUANT_NAMES[(id - 16) as usize],
+        16..=24 => "pre-rotation quantized",
+        32..=40 => QUANT_NAMES[(id - 32) as usize],
         _ => "unknown",
     }
 }
@@ -307,6 +310,14 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "it holds a q8_0/q8_0 KV cache, and this run's is q8_0/q4_0"
+        );
+        // A quantized file of the unrotated convention (type ids 16..=24) is another type.
+        let mut old = bq.clone();
+        old[20] = 16 + 4;
+        let e = decode(&q8, &old).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "it holds a pre-rotation quantized KV cache, and this run's is q8_0/q8_0"
         );
         let wide = CacheShape { kv_dim: 16, ..sh };
         assert!(matches!(decode(&wide, &b), Err(Refusal::OtherShape)));

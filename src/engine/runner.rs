@@ -78,10 +78,14 @@ impl<B: Backend> Runner<B> {
         }
         let n_blocks = n_ctx.div_ceil(BLOCK_SIZE) * n_seq.max(1);
         let cfg = &model.cfg;
-        let kv =
-            model
-                .backend
-                .alloc_kv(cfg.n_layer, n_blocks, BLOCK_SIZE, cfg.kv_dim(), cfg.kv_type)?;
+        let kv = model.backend.alloc_kv(
+            cfg.n_layer,
+            n_blocks,
+            BLOCK_SIZE,
+            cfg.kv_dim(),
+            cfg.head_dim,
+            cfg.kv_type,
+        )?;
         Ok(Runner {
             model,
             kv,
@@ -105,9 +109,14 @@ impl<B: Backend> Runner<B> {
             Some(i) => self.stash.swap_remove(i).1,
             None => {
                 let cfg = &self.model.cfg;
-                self.model
-                    .backend
-                    .alloc_kv(cfg.n_layer, n_blocks, BLOCK_SIZE, cfg.kv_dim(), t)?
+                self.model.backend.alloc_kv(
+                    cfg.n_layer,
+                    n_blocks,
+                    BLOCK_SIZE,
+                    cfg.kv_dim(),
+                    cfg.head_dim,
+                    t,
+                )?
             }
         };
         let old = std::mem::replace(&mut self.kv, new);

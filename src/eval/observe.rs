@@ -101,10 +101,11 @@ impl<B: Backend> Backend for Observed<B> {
         n_blocks: usize,
         block_size: usize,
         kv_dim: usize,
+        head_dim: usize,
         kv_type: KvType,
     ) -> Result<Self::Kv> {
         self.inner
-            .alloc_kv(n_layer, n_blocks, block_size, kv_dim, kv_type)
+            .alloc_kv(n_layer, n_blocks, block_size, kv_dim, head_dim, kv_type)
     }
     fn act(&self, rows: usize, cols: usize) -> Self::Act {
         self.inner.act(rows, cols)

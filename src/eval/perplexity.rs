@@ -64,6 +64,7 @@ impl<'m, B: Backend> Evaluator<'m, B> {
             n_blocks,
             model.block_size,
             cfg.kv_dim(),
+            cfg.head_dim,
             cfg.kv_type,
         )?;
         Ok(Evaluator {

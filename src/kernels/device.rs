@@ -221,18 +221,21 @@ impl Backend for DeviceBackend {
         n_blocks: usize,
         block_size: usize,
         kv_dim: usize,
+        head_dim: usize,
         kv_type: KvType,
     ) -> Result<DevKv> {
         let g = self.gpu_layers.min(n_layer);
         let cuda = match &self.cuda {
-            Some(c) if g > 0 => Some(c.alloc_kv(g, n_blocks, block_size, kv_dim, kv_type)?),
+            Some(c) if g > 0 => {
+                Some(c.alloc_kv(g, n_blocks, block_size, kv_dim, head_dim, kv_type)?)
+            }
             _ => None,
         };
         let cpu = if g < n_layer {
             // The GPU layers' host storage is never touched, so it takes no memory (`KvPlane`).
             Some(
                 self.cpu
-                    .alloc_kv(n_layer, n_blocks, block_size, kv_dim, kv_type)?,
+                    .alloc_kv(n_layer, n_blocks, block_size, kv_dim, head_dim, kv_type)?,
             )
         } else {
             None
@@ -692,7 +695,9 @@ mod tests {
         };
         let (pos, bs) = (37usize, 16usize);
         let table: Vec<u32> = (0..8u32).map(|b| (b * 5) % 8).collect();
-        let mut kv = be.alloc_kv(1, table.len(), bs, kvd, KvType::F16).unwrap();
+        let mut kv = be
+            .alloc_kv(1, table.len(), bs, kvd, hd, KvType::F16)
+            .unwrap();
         let slot = |p: usize| table[p / bs] as usize * bs + p % bs;
         let slots: Vec<usize> = (0..pos).map(slot).collect();
         let (k, v) = (act(&data(pos * kvd, 7), kvd), act(&data(pos * kvd, 8), kvd));

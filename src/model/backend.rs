@@ -277,12 +277,15 @@ pub trait Backend {
 
     fn load_weight(&self, src: &WeightSource<'_>) -> Result<Self::Weight>;
     fn load_vector(&self, data: &[f32]) -> Result<Self::Vector>;
+    /// KV storage for `n_blocks` blocks of `block_size` positions per layer, each position
+    /// `kv_dim` values (KV heads of `head_dim`) for K and for V, in `kv_type`.
     fn alloc_kv(
         &self,
         n_layer: usize,
         n_blocks: usize,
         block_size: usize,
         kv_dim: usize,
+        head_dim: usize,
         kv_type: KvType,
     ) -> Result<Self::Kv>;
 

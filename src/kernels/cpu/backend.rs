@@ -618,6 +618,7 @@ impl Backend for CpuBackend {
         n_blocks: usize,
         block_size: usize,
         kv_dim: usize,
+        head_dim: usize,
         kv_type: KvType,
     ) -> Result<CpuKv> {
         let per_layer = n_blocks
@@ -639,7 +640,14 @@ impl Backend for CpuBackend {
                 ..empty()
             }),
             KvType::Quant { k, v } => Ok(CpuKv {
-                quant: Some(KvQuant::new(n_layer, n_blocks * block_size, kv_dim, k, v)?),
+                quant: Some(KvQuant::new(
+                    n_layer,
+                    n_blocks * block_size,
+                    kv_dim,
+                    head_dim,
+                    k,
+                    v,
+                )?),
                 ..empty()
             }),
             KvType::F16 => Ok(CpuKv {
@@ -968,7 +976,7 @@ mod tests {
             y
         };
         for kv_type in [KvType::F32, KvType::F16] {
-            let mut kv = be.alloc_kv(1, 4, 32, d, kv_type).unwrap();
+            let mut kv = be.alloc_kv(1, 4, 32, d, hd, kv_type).unwrap();
             for style in [RopeStyle::Normal, RopeStyle::Neox] {
                 for base in [10_000f32, 1e6] {
                     for factors in [None, Some(&ff[..])] {

@@ -219,8 +219,10 @@ impl Backend for CudaBackend {
         n_blocks: usize,
         block_size: usize,
         kv_dim: usize,
+        head_dim: usize,
         kv_type: KvType,
     ) -> Result<CudaKv> {
+        let _ = head_dim;
         if let KvType::Quant { .. } = kv_type {
             bail!(
                 "the CUDA kernels read an f16 KV cache only; a {} cache runs on the CPU \

@@ -30,6 +30,7 @@ use half::f16;
 mod decode;
 pub mod f32_cache;
 pub mod quant_cache;
+pub mod rotate;
 #[cfg(target_arch = "x86_64")]
 mod rows;
 use half::slice::HalfFloatSliceExt;

@@ -211,7 +211,10 @@ pub(crate) mod tests {
         table: &[u32],
     ) -> crate::kernels::cpu::backend::CpuKv {
         const BS: usize = 16;
-        let mut kv = be.alloc_kv(1, table.len(), BS, kvd, KvType::F16).unwrap();
+        // An f16 cache: the head width only matters to a quantized one.
+        let mut kv = be
+            .alloc_kv(1, table.len(), BS, kvd, kvd, KvType::F16)
+            .unwrap();
         let (mut k, mut v) = (be.act(n, kvd), be.act(n, kvd));
         k.data.copy_from_slice(&data(n * kvd, 7));
         v.data.copy_from_slice(&data(n * kvd, 8));
