@@ -134,33 +134,6 @@ extern "C" __global__ void kv_write(__half* __restrict__ kc, __half* __restrict_
 }
 EMU_EXPORT(kv_write)
 
-/// The block's largest (value, index) pair, ties by the lower index (NaN never wins), from each
-/// thread's candidate: thread 0 ends with it. Every thread of the block (a multiple of 32, at most
-/// 1024) calls this; sv/si are 32-entry shared scratch, free again once it returns to thread 0.
-__device__ __forceinline__ void block_argmax(float& best, int& bi, float* sv, int* si) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int round = 0; round < 2; round++) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(FULL_MASK, best, o);
-      const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-      if (ov > best || (ov == best && oi < bi)) {
-        best = ov;
-        bi = oi;
-      }
-    }
-    if (round == 1) break;
-    if (lane == 0) {
-      sv[warp] = best;
-      si[warp] = bi;
-    }
-    __syncthreads();
-    const bool have = lane < (int)(blockDim.x / 32);
-    best = have ? sv[lane] : NEG_INF;
-    bi = have ? si[lane] : 0x7fffffff;
-  }
-}
-
 /// out[r] = the index of the largest value of row r (the lowest such index on ties; NaN is never
 /// chosen over a number). grid (rows), block (256).
 extern "C" __global__ void __launch_bounds__(256)

@@ -131,27 +131,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         bi = i;
       }
     }
-    const int lane = tid % 32, warp = tid / 32;
-    for (int round = 0; round < 2; round++) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, best, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-        if (ov > best || (ov == best && oi < bi)) {
-          best = ov;
-          bi = oi;
-        }
-      }
-      if (round == 1) break;
-      if (lane == 0) {
-        sv[warp] = best;
-        si[warp] = bi;
-      }
-      __syncthreads();
-      const bool have = lane < (int)(blockDim.x / 32);
-      best = have ? sv[lane] : -3.40282347e+38f;
-      bi = have ? si[lane] : 0x7fffffff;
-    }
+    block_argmax(best, bi, sv, si);
     if (tid == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
     return;
   }
