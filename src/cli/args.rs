@@ -306,8 +306,11 @@ impl SamplingArgs {
             }
         }
         self.dry_params()
-            .check(|f| format!("--dry-{}", f.replace('_', "-")))
-            .map_err(UsageError)?;
+            .check(|f| match f {
+                "sequence_breakers" => "--dry-sequence-breaker".to_string(),
+                f => format!("--dry-{}", f.replace('_', "-")),
+            })
+            .map_err(|(_, e)| UsageError(e))?;
         Ok(SamplerConfig {
             temperature: self.temp,
             top_k: self.top_k,

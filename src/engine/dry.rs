@@ -106,32 +106,31 @@ impl Default for DryParams {
 }
 
 impl DryParams {
-    /// Why these parameters are invalid, naming the setting as `name(field)` spells it.
-    pub fn check(&self, name: impl Fn(&str) -> String) -> Result<(), String> {
-        if !(self.multiplier.is_finite() && self.multiplier >= 0.0) {
-            return Err(format!(
-                "{} must be ≥ 0, got {}",
-                name("multiplier"),
-                self.multiplier
-            ));
-        }
-        if !(self.base.is_finite() && self.base >= 1.0) {
-            return Err(format!("{} must be ≥ 1, got {}", name("base"), self.base));
-        }
-        if self.penalty_last_n < -1 {
-            let n = name("penalty_last_n");
-            return Err(format!(
-                "{n} must be -1 (everything), 0 (off) or more, got {}",
-                self.penalty_last_n
-            ));
-        }
-        if self.breakers.len() > 64 || self.breakers.iter().any(|b| b.len() > 40) {
-            return Err(format!(
-                "{} takes at most 64 strings of at most 40 bytes",
-                name("sequence_breakers")
-            ));
-        }
-        Ok(())
+    /// Why these parameters are invalid: the field at fault (`multiplier`, `base`,
+    /// `penalty_last_n` or `sequence_breakers`) and a message naming it as `name(field)` spells it.
+    pub fn check(&self, name: impl Fn(&str) -> String) -> Result<(), (&'static str, String)> {
+        let (field, why) = if !(self.multiplier.is_finite() && self.multiplier >= 0.0) {
+            (
+                "multiplier",
+                format!("must be ≥ 0, got {}", self.multiplier),
+            )
+        } else if !(self.base.is_finite() && self.base >= 1.0) {
+            ("base", format!("must be ≥ 1, got {}", self.base))
+        } else if self.penalty_last_n < -1 {
+            let n = self.penalty_last_n;
+            (
+                "penalty_last_n",
+                format!("must be -1 (everything), 0 (off) or more, got {n}"),
+            )
+        } else if self.breakers.len() > 64 || self.breakers.iter().any(|b| b.len() > 40) {
+            (
+                "sequence_breakers",
+                "takes at most 64 strings of at most 40 bytes".into(),
+            )
+        } else {
+            return Ok(());
+        };
+        Err((field, format!("{} {why}", name(field))))
     }
 
     /// Whether the penalty is on.

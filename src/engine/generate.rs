@@ -215,7 +215,7 @@ pub fn generate_with<B: Backend>(
     let mut device_ok = hooks.logprobs.is_none()
         && constraint.is_none()
         && spec.is_none()
-        && std::env::var("INFER_DEVICE_SAMPLING").map_or(true, |v| v != "0");
+        && crate::engine::request::device_sampling_allowed();
     let mut device: Option<DeviceSampler> = None;
     let stop = loop {
         if cancel.load(Ordering::Relaxed) {

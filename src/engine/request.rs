@@ -162,8 +162,7 @@ impl Request {
         room: bool,
         out: &mut Vec<Event>,
     ) -> (Option<u32>, bool) {
-        if self.generated >= self.spec.params.max_tokens {
-            self.finish(StopReason::Length, out);
+        if self.out_of_budget(out) {
             return (None, false);
         }
         let logits = match &mut self.constraint {
@@ -180,21 +179,54 @@ impl Request {
             None => logits,
         };
         let id = self.sampler.sample(logits, history);
-        self.first_token.get_or_insert_with(Instant::now);
         if let Some(c) = &mut self.constraint {
             if let Err(e) = c.commit(id) {
                 out.push(Event::Error(format!("{e:#}")));
                 return (None, false);
             }
         }
-        if tok.is_eog(id) && (!self.spec.params.ignore_eos || self.constraint.is_some()) {
+        // A token that ends the request is not reported: no log-probabilities for it.
+        let logprobs = self
+            .spec
+            .logprobs
+            .filter(|_| !self.ends_on(id, tok))
+            .map(|n| {
+                let (logprob, top) = log_softmax_top(logits, id, n);
+                TokenLogprobs { logprob, top }
+            });
+        self.accept(id, logprobs, tok, room, out)
+    }
+
+    /// Whether `id` ends the request: an end-of-generation token, unless `ignore_eos` (which a
+    /// constraint overrides: its structure ends there).
+    fn ends_on(&self, id: u32, tok: &Tokenizer) -> bool {
+        tok.is_eog(id) && (!self.spec.params.ignore_eos || self.constraint.is_some())
+    }
+
+    /// Ends the request (`Length`) if it has generated all it may; before sampling.
+    fn out_of_budget(&mut self, out: &mut Vec<Event>) -> bool {
+        let done = self.generated >= self.spec.params.max_tokens;
+        if done {
+            self.finish(StopReason::Length, out);
+        }
+        done
+    }
+
+    /// Takes the chosen token `id`: an end of generation ends the request (unless `ignore_eos`
+    /// without a constraint), anything else is emitted with `logprobs`.
+    fn accept(
+        &mut self,
+        id: u32,
+        logprobs: Option<TokenLogprobs>,
+        tok: &Tokenizer,
+        room: bool,
+        out: &mut Vec<Event>,
+    ) -> (Option<u32>, bool) {
+        self.first_token.get_or_insert_with(Instant::now);
+        if self.ends_on(id, tok) {
             self.finish(self.structure_end(), out);
             return (None, false);
         }
-        let logprobs = self.spec.logprobs.map(|n| {
-            let (logprob, top) = log_softmax_top(logits, id, n);
-            TokenLogprobs { logprob, top }
-        });
         self.emit(id, logprobs, tok, room, out)
     }
 
@@ -207,7 +239,7 @@ impl Request {
             || self.constraint.is_some()
             || self.spec.logprobs.is_some()
             || self.lookup.is_some()
-            || std::env::var("INFER_DEVICE_SAMPLING").is_ok_and(|v| v == "0")
+            || !device_sampling_allowed()
         {
             return None;
         }
@@ -239,20 +271,14 @@ impl Request {
         room: bool,
         out: &mut Vec<Event>,
     ) -> (Option<u32>, bool) {
-        if self.generated >= self.spec.params.max_tokens {
-            self.finish(StopReason::Length, out);
+        if self.out_of_budget(out) {
             return (None, false);
         }
-        self.first_token.get_or_insert_with(Instant::now);
-        if tok.is_eog(id) && !self.spec.params.ignore_eos {
-            self.finish(StopReason::Eos, out);
-            return (None, false);
-        }
-        self.emit(id, None, tok, room, out)
+        self.accept(id, None, tok, room, out)
     }
 
     /// Reports the sampled token `id` and decides whether the request goes on (the end of
-    /// [`Request::on_logits`]).
+    /// [`Request::accept`]).
     fn emit(
         &mut self,
         id: u32,
@@ -307,4 +333,10 @@ impl Request {
             stop: reason,
         }));
     }
+}
+
+/// `INFER_DEVICE_SAMPLING=0` keeps sampling on the host (read once per process).
+pub(crate) fn device_sampling_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("INFER_DEVICE_SAMPLING").map_or(true, |v| v != "0"))
 }

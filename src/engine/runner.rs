@@ -180,15 +180,7 @@ impl<B: Backend> Runner<B> {
         let mut id = None;
         for base in (start..end).step_by(PREFILL_CHUNK) {
             let stop = (base + PREFILL_CHUNK).min(end);
-            let batch: Vec<BatchEntry<'_>> = (base..stop)
-                .map(|pos| BatchEntry {
-                    token: seq.tokens[pos],
-                    pos: pos as u32,
-                    seq: seq.id,
-                    block_table: seq.blocks.blocks(),
-                    logits: pos + 1 == end,
-                })
-                .collect();
+            let batch = entries(seq, base..stop, |pos| pos + 1 == end);
             if stop == end {
                 id = Some(
                     self.model
@@ -311,15 +303,7 @@ impl<B: Backend> Runner<B> {
             );
         }
         self.prepare(seq, from, end)?;
-        let batch: Vec<BatchEntry<'_>> = (from..end)
-            .map(|pos| BatchEntry {
-                token: seq.tokens[pos],
-                pos: pos as u32,
-                seq: seq.id,
-                block_table: seq.blocks.blocks(),
-                logits: pos + 1 == end,
-            })
-            .collect();
+        let batch = entries(seq, from..end, |pos| pos + 1 == end);
         let mut rows = self.model.forward_layers(&mut self.kv, &batch, layers)?;
         Ok(rows.pop().expect("the last row asked for logits"))
     }
@@ -363,15 +347,7 @@ impl<B: Backend> Runner<B> {
         let mut out = Vec::new();
         for base in (start..end).step_by(PREFILL_CHUNK) {
             let stop = (base + PREFILL_CHUNK).min(end);
-            let batch: Vec<BatchEntry<'_>> = (base..stop)
-                .map(|pos| BatchEntry {
-                    token: seq.tokens[pos],
-                    pos: pos as u32,
-                    seq: seq.id,
-                    block_table: seq.blocks.blocks(),
-                    logits: want(pos),
-                })
-                .collect();
+            let batch = entries(seq, base..stop, &want);
             let logits = self.model.forward(&mut self.kv, &batch)?;
             out.extend(logits);
             seq.n_cached = stop;
@@ -501,4 +477,21 @@ impl<B: Backend> Runner<B> {
         seq.n_cached = seq.n_cached.min(len);
         seq.blocks.truncate(len);
     }
+}
+
+/// The forward-pass rows of `seq`'s positions `range`, asking logits where `logits(pos)`.
+fn entries(
+    seq: &Sequence,
+    range: std::ops::Range<usize>,
+    logits: impl Fn(usize) -> bool,
+) -> Vec<BatchEntry<'_>> {
+    range
+        .map(|pos| BatchEntry {
+            token: seq.tokens[pos],
+            pos: pos as u32,
+            seq: seq.id,
+            block_table: seq.blocks.blocks(),
+            logits: logits(pos),
+        })
+        .collect()
 }

@@ -994,6 +994,32 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// An array's element type and length, checked: a known element type, and no more elements
+    /// than the rest of the file can hold at that type's smallest encoding. Returns the type, that
+    /// smallest size and the length.
+    fn array_header(&mut self) -> Result<(u32, usize, u64), GgufError> {
+        let elem_off = self.offset();
+        let elem_type = self.u32("array element type")?;
+        let Some(min_size) = min_encoded_size(elem_type) else {
+            return Err(GgufError::BadValueType {
+                offset: elem_off,
+                type_id: elem_type,
+            });
+        };
+        let count_off = self.offset();
+        let count = self.u64("array length")?;
+        let limit = ((self.remaining() / min_size) as u64).min(MAX_ARRAY_LEN);
+        if count > limit {
+            return Err(GgufError::ArrayTooLong {
+                offset: count_off,
+                elem_type,
+                count,
+                limit,
+            });
+        }
+        Ok((elem_type, min_size, count))
+    }
+
     /// A top-level array of at least [`LAZY_ARRAY`] strings or numbers: checked as
     /// [`Self::value`] checks it (the same errors), but not copied. Returns where its first
     /// element starts, how many there are and their type; `None`, having read nothing, for any
@@ -1009,21 +1035,10 @@ impl<'a> Reader<'a> {
         if type_id != vt::ARRAY || elem == vt::ARRAY || count < LAZY_ARRAY as u64 {
             return Ok(None);
         }
-        let Some(size) = min_encoded_size(elem) else {
+        if min_encoded_size(elem).is_none() {
             return Ok(None); // a bad element type: `value` reports it
-        };
-        let elem_type = self.u32("array element type")?;
-        let count_off = self.offset();
-        let count = self.u64("array length")?;
-        let limit = ((self.remaining() / size) as u64).min(MAX_ARRAY_LEN);
-        if count > limit {
-            return Err(GgufError::ArrayTooLong {
-                offset: count_off,
-                elem_type,
-                count,
-                limit,
-            });
         }
+        let (elem_type, size, count) = self.array_header()?;
         let at = self.pos;
         if elem_type == vt::STRING {
             for _ in 0..count {
@@ -1063,24 +1078,7 @@ impl<'a> Reader<'a> {
                     });
                 }
                 let elem_off = self.offset();
-                let elem_type = self.u32("array element type")?;
-                let Some(min_size) = min_encoded_size(elem_type) else {
-                    return Err(GgufError::BadValueType {
-                        offset: elem_off,
-                        type_id: elem_type,
-                    });
-                };
-                let count_off = self.offset();
-                let count = self.u64("array length")?;
-                let limit = ((self.remaining() / min_size) as u64).min(MAX_ARRAY_LEN);
-                if count > limit {
-                    return Err(GgufError::ArrayTooLong {
-                        offset: count_off,
-                        elem_type,
-                        count,
-                        limit,
-                    });
-                }
+                let (elem_type, _, count) = self.array_header()?;
                 let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {
                     items.push(self.value(elem_type, elem_off, depth)?);

@@ -143,10 +143,8 @@ impl Sampling {
         if let Some(b) = &self.dry_sequence_breakers {
             p.breakers = b.clone();
         }
-        p.check(|f| format!("`dry_{f}`")).map_err(|e| {
-            let field = e.split('`').nth(1).unwrap_or("dry_multiplier").to_string();
-            ApiError::param(&field, e)
-        })?;
+        p.check(|f| format!("`dry_{f}`"))
+            .map_err(|(field, e)| ApiError::param(&format!("dry_{field}"), e))?;
         Ok(p)
     }
 }
