@@ -2,6 +2,7 @@
 """Structured output against real-world JSON schemas (tests/fixtures/schemastore).
 
   python3 tests/structured/schema_corpus.py --infer target/release/infer --model MODEL [--every N]
+      [--only NAME,NAME] [--show]
 
 Asks infer (one `run --batch-file` process, requests in parallel) for an instance of every Nth
 schema and sorts each outcome: `valid` (jsonschema accepts it), `refused` (infer declined the
@@ -23,8 +24,12 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--every", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=600)
+    ap.add_argument("--only", default="", help="comma-separated schema file names (no .json)")
+    ap.add_argument("--show", action="store_true", help="print each output's last 160 bytes")
     a = ap.parse_args()
     names = sorted(f for f in os.listdir(CORPUS) if f.endswith(".json"))[:: a.every]
+    if a.only:
+        names = [f for f in names if f[:-5] in a.only.split(",")]
     schemas = [json.load(open(os.path.join(CORPUS, f), encoding="utf-8")) for f in names]
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as batch:
         for name, s in zip(names, schemas):
@@ -57,6 +62,8 @@ def main():
             kind = "cut" if r["stop"] == "length" else "INVALID"
             counts[kind] += 1
             print(f"{kind:7} {name}: {str(e).splitlines()[0][:120]}")
+            if a.show:
+                print("        ..." + json.dumps(r["text"][-160:]))
     total = len(names)
     print(f"{total} schemas: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     print(f"supported (compiled): {total - counts['refused']}/{total}; "

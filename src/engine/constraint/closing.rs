@@ -19,12 +19,17 @@ pub struct JsonScan {
     containers: u32,
     in_string: bool,
     escaped: bool,
+    /// Bytes scanned.
+    len: usize,
+    /// Where the open string's content starts (just past its quote).
+    string_start: usize,
 }
 
 impl JsonScan {
     /// The scan after `bytes`.
     pub fn after(mut self, bytes: &[u8]) -> JsonScan {
         for &b in bytes {
+            self.len += 1;
             if self.in_string {
                 match (self.escaped, b) {
                     (true, _) => self.escaped = false,
@@ -34,7 +39,7 @@ impl JsonScan {
                 }
             } else {
                 match b {
-                    b'"' => self.in_string = true,
+                    b'"' => (self.in_string, self.string_start) = (true, self.len),
                     b'{' | b'[' => self.containers += 1,
                     b'}' | b']' => self.containers = self.containers.saturating_sub(1),
                     _ => {}
@@ -42,6 +47,12 @@ impl JsonScan {
             }
         }
         self
+    }
+
+    /// The open string's content in `text` (the bytes this scan followed), if inside one.
+    pub fn open_string<'t>(&self, text: &'t [u8]) -> Option<&'t [u8]> {
+        self.in_string
+            .then(|| &text[self.string_start.min(text.len())..])
     }
 
     /// Levels left open: containers, and the string if inside one.
@@ -53,6 +64,28 @@ impl JsonScan {
 /// Closing starts when at most this many tokens are left for a text open `depth` levels deep.
 pub fn margin(depth: u32) -> usize {
     4 * depth as usize + 24
+}
+
+/// Budgets left at which the cost of closing is measured (by closing a copy of the constraint
+/// without the model): every [`CHECK_EVERY`] tokens from [`CHECK_FROM`] down. The margin alone
+/// cannot see what an object still owes (its required members), which can take far more tokens
+/// than its depth suggests.
+pub const CHECK_FROM: usize = 128;
+pub const CHECK_EVERY: usize = 16;
+
+/// Tokens of slack for the model's own choices while closing (a key it spells in several
+/// tokens where the measurement took one).
+const SLACK: usize = 8;
+
+/// Whether `remaining` tokens left is a checkpoint.
+pub fn is_checkpoint(remaining: usize) -> bool {
+    remaining <= CHECK_FROM && remaining.is_multiple_of(CHECK_EVERY)
+}
+
+/// At a checkpoint, whether closing must start now: closing takes `cost` tokens, and waiting for
+/// the next checkpoint could leave too few.
+pub fn must_start(remaining: usize, cost: usize) -> bool {
+    cost + CHECK_EVERY + SLACK > remaining
 }
 
 /// The token to take while closing: among `allowed` ids (finite logits in `logits`) with their

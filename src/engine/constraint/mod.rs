@@ -13,10 +13,14 @@
 //! is complete, and is the only choice once nothing can follow; a token the constraint refuses
 //! is an error at [`Constraint::commit`], so a bug cannot produce invalid output silently. JSON
 //! constraints also close their structure inside the token budget ([`Constraint::apply_within`],
-//! `closing`).
+//! `closing`), writing the shortest completion of a string's `pattern` where one holds a string
+//! open (`patterns`).
 
 mod closing;
+#[cfg(test)]
+mod closing_tests;
 pub mod gbnf;
+mod patterns;
 mod vocab;
 
 use std::sync::Arc;
@@ -30,6 +34,7 @@ use serde_json::Value;
 
 use crate::tokenizer::Tokenizer;
 use closing::JsonScan;
+use patterns::Patterns;
 
 /// What the output must match.
 #[derive(Clone, Debug, PartialEq)]
@@ -181,10 +186,20 @@ impl Grammars {
             spec,
             ConstraintSpec::JsonSchema(_) | ConstraintSpec::JsonObject
         );
+        let patterns = match spec {
+            ConstraintSpec::JsonSchema(schema) => Some(patterns::collect(schema)),
+            _ => None,
+        };
         Ok(Constraint {
             matcher,
             env: self.factory.tok_env().clone(),
             json: json.then(JsonScan::default),
+            text: Vec::new(),
+            patterns: patterns
+                .filter(|p| !p.is_empty())
+                .map(|p| Arc::new(Patterns::new(p))),
+            prefix: Vec::new(),
+            closing_from: None,
             closed_by_budget: false,
             mask: None,
             eog: self.eog.clone(),
@@ -208,6 +223,16 @@ pub struct Constraint {
     env: TokEnv,
     /// JSON constraints: where the output is (for closing inside the budget).
     json: Option<JsonScan>,
+    /// JSON constraints: the bytes committed.
+    text: Vec<u8>,
+    /// The schema's string patterns, if any.
+    patterns: Option<Arc<Patterns>>,
+    /// A hash of each prefix of the committed tokens (`prefix[i]` covers tokens `..=i`).
+    prefix: Vec<u64>,
+    /// Closing started after this prefix (its length and hash): it holds while the committed
+    /// tokens still start with that prefix, whichever path (a verified draft, one token at a
+    /// time) committed them.
+    closing_from: Option<(usize, u64)>,
     /// The budget decided a token (the answer was shortened to fit).
     closed_by_budget: bool,
     /// The mask for the next token, computed once per position.
@@ -225,6 +250,10 @@ impl Clone for Constraint {
             matcher: self.matcher.deep_clone(),
             env: self.env.clone(),
             json: self.json,
+            text: self.text.clone(),
+            patterns: self.patterns.clone(),
+            prefix: self.prefix.clone(),
+            closing_from: self.closing_from,
             closed_by_budget: self.closed_by_budget,
             mask: self.mask.clone(),
             eog: self.eog.clone(),
@@ -306,25 +335,10 @@ impl Constraint {
         let Some(scan) = self.json else {
             return Ok(());
         };
-        if remaining > closing::margin(scan.depth()) {
+        if !self.closing_now(scan, remaining)? {
             return Ok(());
         }
-        let end = self
-            .eog
-            .iter()
-            .copied()
-            .find(|&e| logits.get(e as usize).is_some_and(|l| l.is_finite()));
-        let trie = self.env.tok_trie();
-        let keep = end.or_else(|| {
-            closing::closing_choice(scan, logits, |id| {
-                if self.eog.binary_search(&id).is_ok() || trie.is_special_token(id) {
-                    &[]
-                } else {
-                    trie.token(id)
-                }
-            })
-        });
-        if let Some(keep) = keep {
+        if let Some(keep) = self.closing_token(scan, logits) {
             for (id, l) in logits.iter_mut().enumerate() {
                 if id as u32 != keep {
                     *l = f32::NEG_INFINITY;
@@ -333,6 +347,97 @@ impl Constraint {
             self.closed_by_budget = true;
         }
         Ok(())
+    }
+
+    /// Whether closing has started at this step, `remaining` tokens left: by the margin of the
+    /// open depth, or by the cost of closing measured at a checkpoint (now or on the way here).
+    fn closing_now(&mut self, scan: JsonScan, remaining: usize) -> Result<bool> {
+        let started = self
+            .closing_from
+            .is_some_and(|(n, h)| n == 0 || (self.prefix.len() >= n && self.prefix[n - 1] == h));
+        if started || remaining <= closing::margin(scan.depth()) {
+            return Ok(true);
+        }
+        if !closing::is_checkpoint(remaining) || !self.closing_cost_over(remaining)? {
+            return Ok(false);
+        }
+        self.closing_from = Some((self.prefix.len(), self.prefix.last().copied().unwrap_or(0)));
+        Ok(true)
+    }
+
+    /// At a checkpoint: closes a copy of this constraint without the model (every logit 0, so
+    /// the closing order alone decides) and says whether that takes too long to wait for the
+    /// next checkpoint (`closing::must_start`).
+    fn closing_cost_over(&mut self, remaining: usize) -> Result<bool> {
+        let mut sim = self.clone();
+        sim.closing_from = Some((0, 0));
+        let mut row = vec![0.0f32; self.n_logits];
+        let mut cost = 0;
+        let over = loop {
+            if closing::must_start(remaining, cost) {
+                break true;
+            }
+            if sim.is_finished() {
+                break false;
+            }
+            row.fill(0.0);
+            sim.apply(&mut row)?;
+            let Some(scan) = sim.json else { break false };
+            match sim.closing_token(scan, &row) {
+                None => break true,
+                Some(t) if self.eog.binary_search(&t).is_ok() => break false,
+                Some(t) => sim.commit(t)?,
+            }
+            cost += 1;
+        };
+        self.mask_time = sim.mask_time; // the measurement is part of this step's cost
+        Ok(over)
+    }
+
+    /// The one token to keep while closing, from the masked `logits`: the end where allowed,
+    /// else a pattern's completion for a string nothing allowed can close, else
+    /// `closing::closing_choice`.
+    fn closing_token(&mut self, scan: JsonScan, logits: &[f32]) -> Option<u32> {
+        let end = self
+            .eog
+            .iter()
+            .copied()
+            .find(|&e| logits.get(e as usize).is_some_and(|l| l.is_finite()));
+        if end.is_some() {
+            return end;
+        }
+        let env = self.env.clone();
+        let trie = env.tok_trie();
+        let bytes = |id: u32| {
+            if self.eog.binary_search(&id).is_ok() || trie.is_special_token(id) {
+                &[][..]
+            } else {
+                trie.token(id)
+            }
+        };
+        let choice = closing::closing_choice(scan, logits, bytes);
+        let closes = choice.is_some_and(|c| scan.after(bytes(c)).depth() < scan.depth());
+        if closes {
+            return choice;
+        }
+        let content = scan.open_string(&self.text).map(<[u8]>::to_vec);
+        let patterns = self.patterns.clone();
+        if let (Some(content), Some(patterns), Some(quote)) =
+            (content, patterns, trie.token_id(b"\""))
+        {
+            for completion in patterns.completions(&content) {
+                let ids: Option<Vec<u32>> = completion
+                    .iter()
+                    .map(|&b| trie.token_id(&[b]))
+                    .chain([Some(quote)])
+                    .collect();
+                let Some(ids) = ids else { continue };
+                if self.matcher.validate_tokens(&ids).ok() == Some(ids.len()) {
+                    return Some(ids[0]);
+                }
+            }
+        }
+        choice
     }
 
     /// Whether the budget shortened the output (see [`apply_within`](Self::apply_within)).
@@ -362,8 +467,13 @@ impl Constraint {
             return Ok(());
         }
         if let Some(scan) = &mut self.json {
-            *scan = scan.after(self.env.tok_trie().token(id));
+            let bytes = self.env.tok_trie().token(id);
+            *scan = scan.after(bytes);
+            self.text.extend_from_slice(bytes);
         }
+        let h = self.prefix.last().copied().unwrap_or(0xcbf2_9ce4_8422_2325);
+        self.prefix
+            .push((h ^ u64::from(id)).wrapping_mul(0x0100_0000_01b3));
         self.matcher
             .consume_token(id)
             .map_err(|e| anyhow!("constraint: {}", clean(&e.to_string())))
@@ -393,6 +503,7 @@ impl Constraint {
         remaining: usize,
     ) -> Result<()> {
         let (scan, closed) = (self.json, self.closed_by_budget);
+        let (text, prefix) = (self.text.len(), self.prefix.len());
         let mut committed = 0;
         let mut result = Ok(());
         for (i, row) in rows.iter_mut().enumerate() {
@@ -407,6 +518,8 @@ impl Constraint {
             committed += 1;
         }
         (self.json, self.closed_by_budget) = (scan, closed);
+        self.text.truncate(text);
+        self.prefix.truncate(prefix);
         if committed > 0 {
             self.mask = None;
             self.matcher
