@@ -1,12 +1,16 @@
 //! Ending JSON inside the token budget: when the tokens left would barely close what is open,
 //! each step takes the allowed token that closes the most.
 //!
-//! A JSON constraint keeps a scan of its output (containers open, inside a string or not). Once
-//! the budget left is at most [`margin`] of the open depth, the masked logits are cut to one
-//! token: end of generation where the schema allows it, else the allowed token that leaves the
-//! least open (a string counts as one level), then by how it ends: a value closed (`"`, `}` or
-//! `]`), a key (`:`), a separator (`,`, which asks for more), anything else (inside a number or
-//! a word), then the model's own preference (highest logit, lowest id on ties). The schema's mask still decides what is
+//! A JSON constraint keeps a scan of its output (containers open, inside a string or not).
+//! Closing starts once the budget left is at most [`margin`] of the open depth, or at a
+//! checkpoint ([`is_checkpoint`]) where the measured cost of closing says waiting would not fit
+//! ([`must_start`]; the constraint measures by closing a copy of itself). Then the masked logits
+//! are cut to one token: end of generation where the schema allows it, else the allowed token
+//! that leaves the least open (a string counts as one level), then by how it ends: a value closed
+//! (`"`, `}` or `]`), a key (`:`), a separator (`,`, which asks for more), anything else (inside
+//! a number or a word), then the higher logit, the lowest id on ties. The constraint passes every
+//! allowed token at the same logit, so the lowest id decides: the same order its measurement
+//! follows, so closing takes the tokens it measured. The schema's mask still decides what is
 //! allowed, so the output stays valid; what this changes is that a model running on in a long
 //! string or a deep object ends with a shorter instance instead of being cut mid-structure.
 //!
@@ -83,9 +87,10 @@ pub fn is_checkpoint(remaining: usize) -> bool {
 }
 
 /// At a checkpoint, whether closing must start now: closing takes `cost` tokens, and waiting for
-/// the next checkpoint could leave too few.
+/// the next checkpoint could leave too few. The cost may grow while the model writes on (a new
+/// object owes its required members), by half again is allowed for.
 pub fn must_start(remaining: usize, cost: usize) -> bool {
-    cost + CHECK_EVERY + SLACK > remaining
+    cost + cost / 2 + CHECK_EVERY + SLACK > remaining
 }
 
 /// The token to take while closing: among `allowed` ids (finite logits in `logits`) with their

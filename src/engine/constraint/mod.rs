@@ -338,7 +338,18 @@ impl Constraint {
         if !self.closing_now(scan, remaining)? {
             return Ok(());
         }
-        if let Some(keep) = self.closing_token(scan, logits) {
+        // Ties go to the lowest id, as in the measurement, so closing takes what it measured.
+        let allowed: Vec<f32> = logits
+            .iter()
+            .map(|l| {
+                if l.is_finite() {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        if let Some(keep) = self.closing_token(scan, &allowed) {
             for (id, l) in logits.iter_mut().enumerate() {
                 if id as u32 != keep {
                     *l = f32::NEG_INFINITY;
