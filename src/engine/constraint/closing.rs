@@ -8,9 +8,11 @@
 //! are cut to one token: end of generation where the schema allows it, else the allowed token
 //! that leaves the least open (a string counts as one level), then by how it ends: a value closed
 //! (`"`, `}` or `]`), a key (`:`), a separator (`,`, which asks for more), anything else (inside
-//! a number or a word), then the higher logit, the lowest id on ties. The constraint passes every
-//! allowed token at the same logit, so the lowest id decides: the same order its measurement
-//! follows, so closing takes the tokens it measured. The schema's mask still decides what is
+//! a number or a word), then the higher logit, then inside a word the longer token (fewer steps:
+//! a key in one token, not spelled byte by byte) and otherwise the shorter (no filler in a value
+//! it ends), then the lower id. The constraint passes every allowed token
+//! at the same logit, so length and id decide: the order its measurement follows, so closing
+//! takes the tokens it measured. The schema's mask still decides what is
 //! allowed, so the output stays valid; what this changes is that a model running on in a long
 //! string or a deep object ends with a shorter instance instead of being cut mid-structure.
 //!
@@ -100,7 +102,7 @@ pub fn closing_choice<'a>(
     logits: &[f32],
     bytes: impl Fn(u32) -> &'a [u8],
 ) -> Option<u32> {
-    let mut best: Option<(u32, u8, f32, u32)> = None;
+    let mut best: Option<(u32, u8, f32, usize, u32)> = None;
     for (id, &l) in logits.iter().enumerate() {
         if !l.is_finite() {
             continue;
@@ -117,16 +119,26 @@ pub fn closing_choice<'a>(
             Some(b',') => 2,
             _ => 3,
         };
-        let key = (next.depth(), ends, l, id as u32);
+        // Inside a word (a key's name, a number) the longer token is more progress; a token that
+        // ends something is best short (no filler in the value it ends).
+        let size = if ends == 3 {
+            b.len()
+        } else {
+            usize::MAX - b.len()
+        };
+        let key = (next.depth(), ends, l, size, id as u32);
         let better = match best {
             None => true,
-            Some((d, s, bl, _)) => (key.0, key.1) < (d, s) || ((key.0, key.1) == (d, s) && l > bl),
+            Some((d, s, bl, bn, _)) => {
+                (key.0, key.1) < (d, s)
+                    || ((key.0, key.1) == (d, s) && (l > bl || (l == bl && key.3 > bn)))
+            }
         };
         if better {
             best = Some(key);
         }
     }
-    best.map(|b| b.3)
+    best.map(|b| b.4)
 }
 
 #[cfg(test)]
@@ -173,6 +185,17 @@ mod tests {
             closing_choice(s, &[inf, inf, inf, inf, inf, inf, 9.0, 1.0], bytes),
             Some(7)
         );
+        // Equal logits: inside a word the longer token, then the lower id; a value ended short.
+        let words: Vec<&[u8]> = vec![b"a", b"abc", b"xyz", b" \"abc\"", b" \"\""];
+        let in_key = JsonScan::default().after(b"{\"");
+        let inf3 = [0.0, 0.0, 0.0, inf, inf];
+        assert_eq!(
+            closing_choice(in_key, &inf3, |id| words[id as usize]),
+            Some(1)
+        );
+        let value = JsonScan::default().after(b"{\"k\":");
+        let l = [inf, inf, inf, 0.0, 0.0];
+        assert_eq!(closing_choice(value, &l, |id| words[id as usize]), Some(4));
         // Nothing allowed: no choice.
         assert_eq!(closing_choice(s, &[inf; 8], bytes), None);
     }
