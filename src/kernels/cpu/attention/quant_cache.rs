@@ -26,7 +26,7 @@ use half::f16;
 
 use crate::kernels::cpu::attention::rotate;
 use crate::kernels::cpu::backend::CpuAct;
-use crate::kernels::cpu::threads::pool::ThreadPool;
+use crate::kernels::cpu::threads::pool::{ThreadPool, FINE_CHUNKS};
 use crate::kernels::cpu::SharedMut;
 use crate::model::backend::{AttnQuery, AttnShape, CacheType};
 use crate::quant::dequantize_row;
@@ -348,36 +348,7 @@ pub unsafe fn accumulate_v_avx2(ty: CacheType, hd: usize, v: &[u8], w: &[f32], a
     assert!(v.len() >= nb * bb && acc.len() >= w.len() * hd);
     let (vp, ap) = (v.as_ptr(), acc.as_mut_ptr());
     for b in 0..nb {
-        let blk = vp.add(b * bb);
-        let (d, x): (f32, [__m256; 4]) = match ty {
-            CacheType::F16 => (
-                1.0,
-                std::array::from_fn(|i| _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * i).cast()))),
-            ),
-            CacheType::Q8_0 => {
-                let d = f16::from_bits(u16::from_le_bytes([*blk, *blk.add(1)])).to_f32();
-                let x = std::array::from_fn(|i| {
-                    let q = _mm_loadl_epi64(blk.add(2 + 8 * i).cast());
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))
-                });
-                (d, x)
-            }
-            CacheType::Q4_0 => {
-                let d = f16::from_bits(u16::from_le_bytes([*blk, *blk.add(1)])).to_f32();
-                let raw = _mm_loadu_si128(blk.add(2).cast());
-                let m = _mm_set1_epi8(0x0F);
-                let eight = _mm_set1_epi8(8);
-                let lo = _mm_sub_epi8(_mm_and_si128(raw, m), eight);
-                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight);
-                let x = [
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))),
-                ];
-                (d, x)
-            }
-        };
+        let (d, x) = widen_block(ty, vp.add(b * bb));
         for (j, &wj) in w.iter().enumerate() {
             let c = _mm256_set1_ps(wj * d);
             let a = ap.add(j * hd + b * QK);
@@ -389,48 +360,366 @@ pub unsafe fn accumulate_v_avx2(ty: CacheType, hd: usize, v: &[u8], w: &[f32], a
     }
 }
 
-/// The scores of one key head row (f16 or quantized) with the unit's query heads: `q8` holds
-/// their Q8_0 rows (quantized keys), `qf(j)` is head `j`'s f32 row (f16 keys).
-#[inline(always)]
+/// One V block of `ty` at `blk` widened to f32: its scale (1 for f16) and its 32 values in
+/// order ([`value_scale`], [`value_at`]).
+///
+/// # Safety
+/// AVX2, FMA and F16C are available; `blk` points at one whole block of `ty`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn widen_block(ty: CacheType, blk: *const u8) -> (f32, [std::arch::x86_64::__m256; 4]) {
+    use std::arch::x86_64::*;
+    match ty {
+        CacheType::F16 => (
+            1.0,
+            std::array::from_fn(|i| _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16 * i).cast()))),
+        ),
+        CacheType::Q8_0 => {
+            let d = f16::from_bits(u16::from_le_bytes([*blk, *blk.add(1)])).to_f32();
+            let x = std::array::from_fn(|i| {
+                let q = _mm_loadl_epi64(blk.add(2 + 8 * i).cast());
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))
+            });
+            (d, x)
+        }
+        CacheType::Q4_0 => {
+            let d = f16::from_bits(u16::from_le_bytes([*blk, *blk.add(1)])).to_f32();
+            let raw = _mm_loadu_si128(blk.add(2).cast());
+            let m = _mm_set1_epi8(0x0F);
+            let eight = _mm_set1_epi8(8);
+            let lo = _mm_sub_epi8(_mm_and_si128(raw, m), eight);
+            let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight);
+            let x = [
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))),
+            ];
+            (d, x)
+        }
+    }
+}
+
+/// Key positions whose rows [`key_dots8_avx2`] scores at once.
+pub const KGROUP: usize = 8;
+
+/// The scores of [`KGROUP`] key head rows `keys` (Q8_0 or Q4_0, `nb` blocks each) with `m`
+/// Q8_0 query rows (`q`, one after another): `out[j * stride + i] =` [`key_dot_scalar`] of key
+/// `i` and query row `j`. The scalar twin of [`key_dots8_avx2`].
+pub fn key_dots8_scalar(
+    ty: CacheType,
+    nb: usize,
+    keys: &[&[u8]; KGROUP],
+    q: &[u8],
+    m: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    for j in 0..m {
+        let qj = &q[j * nb * Q8_BYTES..];
+        for (i, k) in keys.iter().enumerate() {
+            out[j * stride + i] = key_dot_scalar(ty, nb, k, qj);
+        }
+    }
+}
+
+/// The most blocks per head [`key_dots8_avx2`] takes (heads of up to 512 values).
+pub const KGROUP_MAX_NB: usize = 16;
+
+/// [`key_dots8_scalar`] with AVX2, each score bit for bit [`key_dot_avx2`]'s: the eight key rows
+/// are unpacked once (bytes, their magnitudes, scales) for all `m` query rows; each query row
+/// runs eight independent chains, one per key, reduced together in `hsum_float_8`'s order.
+///
+/// # Safety
+/// AVX2, FMA and F16C are available. (Lengths are checked: `nb <= KGROUP_MAX_NB`, each key
+/// holds `nb` blocks of quantized `ty`, `q` holds `m` rows of `nb` Q8_0 blocks and `out`
+/// `(m - 1) * stride + 8` values.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn key_dots8_avx2(
+    ty: CacheType,
+    nb: usize,
+    keys: &[&[u8]; KGROUP],
+    q: &[u8],
+    m: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
+    use std::arch::x86_64::*;
+    let kb = ty.row_bytes(QK);
+    assert!(nb <= KGROUP_MAX_NB && ty.is_quantized());
+    assert!(keys.iter().all(|k| k.len() >= nb * kb) && q.len() >= m * nb * Q8_BYTES);
+    assert!(m == 0 || (stride >= KGROUP && out.len() >= (m - 1) * stride + KGROUP));
+    let mut kv = [[_mm256_setzero_si256(); KGROUP]; KGROUP_MAX_NB];
+    let mut ka = kv;
+    let mut dk = [[0f32; KGROUP]; KGROUP_MAX_NB];
+    for (i, k) in keys.iter().enumerate() {
+        for b in 0..nb {
+            let blk = k.as_ptr().add(b * kb);
+            dk[b][i] = f16::from_bits(u16::from_le_bytes([*blk, *blk.add(1)])).to_f32();
+            let x = match ty {
+                CacheType::Q4_0 => {
+                    let x = _mm_loadu_si128(blk.add(2).cast());
+                    let hi = _mm_srli_epi16(x, 4);
+                    let both = _mm256_and_si256(_mm256_set_m128i(hi, x), _mm256_set1_epi8(0x0F));
+                    _mm256_sub_epi8(both, _mm256_set1_epi8(8))
+                }
+                _ => _mm256_loadu_si256(blk.add(2).cast()),
+            };
+            kv[b][i] = x;
+            ka[b][i] = _mm256_sign_epi8(x, x);
+        }
+    }
+    let ones = _mm256_set1_epi16(1);
+    let qp = q.as_ptr();
+    for j in 0..m {
+        let mut acc = [_mm256_setzero_ps(); KGROUP];
+        for b in 0..nb {
+            let qblk = qp.add((j * nb + b) * Q8_BYTES);
+            let dq = f16::from_bits(u16::from_le_bytes([*qblk, *qblk.add(1)])).to_f32();
+            let qv = _mm256_loadu_si256(qblk.add(2).cast());
+            for i in 0..KGROUP {
+                let sy = _mm256_sign_epi8(qv, kv[b][i]);
+                let lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(ka[b][i], sy), ones);
+                let c = _mm256_set1_ps(dk[b][i] * dq);
+                acc[i] = _mm256_fmadd_ps(c, _mm256_cvtepi32_ps(lanes), acc[i]);
+            }
+        }
+        _mm256_storeu_ps(out.as_mut_ptr().add(j * stride), hsum8x8(&acc));
+    }
+}
+
+/// Eight vectors each summed as [`hsum8`] (`hsum_float_8`'s order), lane `i` the sum of `a[i]`:
+/// the halves added pairwise, a 4x4 transpose in each half, then `(w0 + w2) + (w1 + w3)`.
+///
+/// # Safety
+/// AVX2 is available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn hsum8x8(a: &[std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // w[j] = [x[4..8] + x[0..4] of a[j] | the same of a[j + 4]]
+    let w: [__m256; 4] = std::array::from_fn(|j| {
+        _mm256_add_ps(
+            _mm256_permute2f128_ps(a[j], a[j + 4], 0x20),
+            _mm256_permute2f128_ps(a[j], a[j + 4], 0x31),
+        )
+    });
+    let t0 = _mm256_unpacklo_ps(w[0], w[1]);
+    let t1 = _mm256_unpackhi_ps(w[0], w[1]);
+    let t2 = _mm256_unpacklo_ps(w[2], w[3]);
+    let t3 = _mm256_unpackhi_ps(w[2], w[3]);
+    // c_k: lane j (and 4 + j) is w_k of a[j] (of a[j + 4])
+    let c0 = _mm256_shuffle_ps(t0, t2, 0x44);
+    let c1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    let c2 = _mm256_shuffle_ps(t1, t3, 0x44);
+    let c3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    _mm256_add_ps(_mm256_add_ps(c0, c2), _mm256_add_ps(c1, c3))
+}
+
+/// `acc[j * hd + e] += w[j * stride + k] * v_k[e]` for each head `j < m`, each value `e` and
+/// each position `k < offs.len()` in order, `v_k` the V head row at `plane[offs[k]..]` (`hd /
+/// 32` blocks of `ty`): [`accumulate_v_scalar`] one position after the other. The scalar twin
+/// of [`accumulate_v_rows_avx2`].
+#[allow(clippy::too_many_arguments)]
+pub fn accumulate_v_rows_scalar(
+    ty: CacheType,
+    hd: usize,
+    plane: &[u8],
+    offs: &[usize],
+    w: &[f32],
+    stride: usize,
+    m: usize,
+    acc: &mut [f32],
+) {
+    let mut col = vec![0f32; m];
+    for (k, &off) in offs.iter().enumerate() {
+        for (j, c) in col.iter_mut().enumerate() {
+            *c = w[j * stride + k];
+        }
+        accumulate_v_scalar(ty, hd, &plane[off..], &col, acc);
+    }
+}
+
+/// f32 values [`accumulate_v_rows_avx2`] widens at a time (so many positions' V rows).
+const VBUF: usize = 4096;
+
+/// [`accumulate_v_rows_scalar`] with AVX2, bit for bit: the V rows are widened to f32 a chunk of
+/// positions at a time, once for all `m` heads, and each block's accumulators of up to three
+/// heads stay in registers over the chunk's positions (one FMA per value, no accumulator load
+/// or store per position).
+///
+/// # Safety
+/// AVX2, FMA and F16C are available. (Lengths are checked.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn accumulate_v_rows_avx2(
+    ty: CacheType,
+    hd: usize,
+    plane: &[u8],
+    offs: &[usize],
+    w: &[f32],
+    stride: usize,
+    m: usize,
+    acc: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let (bb, nb, n) = (ty.row_bytes(QK), hd / QK, offs.len());
+    assert!(hd.is_multiple_of(QK) && hd <= VBUF && acc.len() >= m * hd);
+    assert!(offs.iter().all(|&o| o + nb * bb <= plane.len()));
+    assert!(m == 0 || n == 0 || (stride >= n && w.len() >= (m - 1) * stride + n));
+    let pc = VBUF / hd;
+    let mut x = [0f32; VBUF];
+    let mut ds = [0f32; VBUF / QK];
+    let (xp, dp, wp, ap) = (
+        x.as_mut_ptr(),
+        ds.as_mut_ptr(),
+        w.as_ptr(),
+        acc.as_mut_ptr(),
+    );
+    for k0 in (0..n).step_by(pc) {
+        let kn = pc.min(n - k0);
+        for k in 0..kn {
+            let row = plane.as_ptr().add(offs[k0 + k]);
+            for b in 0..nb {
+                let (d, v) = widen_block(ty, row.add(b * bb));
+                *dp.add(k * nb + b) = d;
+                for (i, &vi) in v.iter().enumerate() {
+                    _mm256_storeu_ps(xp.add(k * hd + b * QK + 8 * i), vi);
+                }
+            }
+        }
+        for b in 0..nb {
+            let mut j = 0;
+            while j < m {
+                let (xb, db) = (xp.add(b * QK).cast_const(), dp.add(b).cast_const());
+                let (wj, aj) = (wp.add(j * stride + k0), ap.add(j * hd + b * QK));
+                j += match m - j {
+                    1 => v_heads::<1>(xb, db, wj, aj, hd, nb, stride, kn),
+                    2 => v_heads::<2>(xb, db, wj, aj, hd, nb, stride, kn),
+                    _ => v_heads::<3>(xb, db, wj, aj, hd, nb, stride, kn),
+                };
+            }
+        }
+    }
+}
+
+/// `N` heads' accumulators of one block (`a`, heads `hd` apart) over `kn` widened positions
+/// (`x`, rows `hd` apart; scales `d`, `nb` apart; weights `w`, heads `stride` apart); returns
+/// `N`.
+///
+/// # Safety
+/// AVX2 and FMA are available; the pointers cover what is read and written.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn v_heads<const N: usize>(
+    x: *const f32,
+    d: *const f32,
+    w: *const f32,
+    a: *mut f32,
+    hd: usize,
+    nb: usize,
+    stride: usize,
+    kn: usize,
+) -> usize {
+    use std::arch::x86_64::*;
+    let mut r: [[__m256; 4]; N] =
+        std::array::from_fn(|j| std::array::from_fn(|i| _mm256_loadu_ps(a.add(j * hd + 8 * i))));
+    for k in 0..kn {
+        let dk = *d.add(k * nb);
+        let xk = x.add(k * hd);
+        for (j, rj) in r.iter_mut().enumerate() {
+            let c = _mm256_set1_ps(*w.add(j * stride + k) * dk);
+            for (i, ri) in rj.iter_mut().enumerate() {
+                *ri = _mm256_fmadd_ps(_mm256_loadu_ps(xk.add(8 * i)), c, *ri);
+            }
+        }
+    }
+    for (j, rj) in r.iter().enumerate() {
+        for (i, &ri) in rj.iter().enumerate() {
+            _mm256_storeu_ps(a.add(j * hd + 8 * i), ri);
+        }
+    }
+    N
+}
+
+/// The scores of the key head rows at `plane[offs[k]..]` (f16 or quantized, positions `k`)
+/// with `m` query heads: `out[j * stride + k]` for head `j`. `q8` holds the heads' Q8_0 rows
+/// (quantized keys), `qf(j)` is head `j`'s f32 row (f16 keys).
+#[allow(clippy::too_many_arguments)]
 fn key_scores<'q>(
     isa: Isa,
     ty: CacheType,
     hd: usize,
-    k: &[u8],
+    plane: &[u8],
+    offs: &[usize],
     q8: &[u8],
     qf: impl Fn(usize) -> &'q [f32],
+    m: usize,
     out: &mut [f32],
+    stride: usize,
 ) {
-    match ty {
-        CacheType::F16 => {
-            for (j, o) in out.iter_mut().enumerate() {
+    let (n, nb, kb) = (offs.len(), hd / QK, ty.row_bytes(hd));
+    if ty == CacheType::F16 {
+        for (k, &off) in offs.iter().enumerate() {
+            let kr = &plane[off..off + kb];
+            for j in 0..m {
                 let mut acc = [0f32; 8];
-                for (kc, qc) in k.chunks_exact(16).zip(qf(j).chunks_exact(8)) {
+                for (kc, qc) in kr.chunks_exact(16).zip(qf(j).chunks_exact(8)) {
                     for l in 0..8 {
                         acc[l] = f16_at(kc, 2 * l).mul_add(qc[l], acc[l]);
                     }
                 }
-                *o = hsum8(&acc);
+                out[j * stride + k] = hsum8(&acc);
             }
         }
-        _ => match isa {
+        return;
+    }
+    for k0 in (0..n).step_by(KGROUP) {
+        // A last group short of eight positions repeats the last key; its extra scores land in
+        // the padding past `n` (`stride` is a multiple of 8).
+        let keys: [&[u8]; KGROUP] = std::array::from_fn(|i| {
+            let off = offs[(k0 + i).min(n - 1)];
+            &plane[off..off + kb]
+        });
+        let out = &mut out[k0..];
+        match isa {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Isa::Avx2` is only chosen where AVX2, FMA and F16C were detected; `k` is
-            // one head row of `hd / 32` blocks and `q8` holds `out.len()` such Q8_0 rows.
-            Isa::Avx2 => unsafe { key_dots_avx2(ty, hd / QK, k, q8, out) },
-            _ => key_dots_scalar(ty, hd / QK, k, q8, out),
-        },
+            // SAFETY: `Isa::Avx2` is only chosen where AVX2, FMA and F16C were detected; the
+            // callee checks the lengths.
+            Isa::Avx2 if nb <= KGROUP_MAX_NB => unsafe {
+                key_dots8_avx2(ty, nb, &keys, q8, m, out, stride)
+            },
+            _ => key_dots8_scalar(ty, nb, &keys, q8, m, out, stride),
+        }
     }
 }
 
+/// [`accumulate_v_rows_avx2`] or its scalar twin, as `isa` says.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn accumulate_v(isa: Isa, ty: CacheType, hd: usize, v: &[u8], w: &[f32], acc: &mut [f32]) {
+fn accumulate_v(
+    isa: Isa,
+    ty: CacheType,
+    hd: usize,
+    plane: &[u8],
+    offs: &[usize],
+    w: &[f32],
+    stride: usize,
+    m: usize,
+    acc: &mut [f32],
+) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` is only chosen where AVX2, FMA and F16C were detected; `v` is one
-        // head row and `acc` holds `w.len()` heads (the caller's buffers).
-        Isa::Avx2 => unsafe { accumulate_v_avx2(ty, hd, v, w, acc) },
-        _ => accumulate_v_scalar(ty, hd, v, w, acc),
+        // SAFETY: `Isa::Avx2` is only chosen where AVX2, FMA and F16C were detected; the callee
+        // checks the lengths.
+        Isa::Avx2 => unsafe { accumulate_v_rows_avx2(ty, hd, plane, offs, w, stride, m, acc) },
+        _ => accumulate_v_rows_scalar(ty, hd, plane, offs, w, stride, m, acc),
     }
 }
 
@@ -441,7 +730,10 @@ struct Scratch {
     q8: Vec<u8>,
     /// One query head rotated as the keys are.
     qr: Vec<f32>,
-    /// Scores, then softmax weights: `[position][head]`.
+    /// Byte offsets of the unit's key (then value) head rows in their plane, by position.
+    offs: Vec<usize>,
+    /// Scores, then softmax weights: `[head][position]`, each head's row padded to a multiple
+    /// of eight positions.
     s: Vec<f32>,
     /// Per head: the part's maximum score, then its sum of weights.
     m: Vec<f32>,
@@ -458,6 +750,18 @@ thread_local! {
 /// unit of their own.
 const MIN_SPLIT: usize = 64;
 
+/// The most consecutive query rows of one sequence in a unit (a tile) during prefill: they
+/// share every key and value read and widened.
+pub const TILE_ROWS: usize = 8;
+
+/// One query row of a unit: all its heads, and the positions `a..=b` it attends over here.
+#[derive(Clone, Copy)]
+struct TileRow<'q> {
+    q: &'q [f32],
+    a: usize,
+    b: usize,
+}
+
 /// What a query row and a KV head's heads attend over.
 struct Job<'a> {
     kv: &'a KvQuant,
@@ -468,25 +772,26 @@ struct Job<'a> {
 }
 
 impl Job<'_> {
-    /// Heads `g * group..(g + 1) * group` of query row `qrow` (`qa`) over positions `a..=b`
-    /// (non-empty): each head's maximum score, sum of weights and unnormalised V sum in `s`.
-    fn part(
-        &self,
-        qrow: &[f32],
-        qa: &AttnQuery<'_>,
-        g: usize,
-        a: usize,
-        b: usize,
-        s: &mut Scratch,
-    ) {
+    /// Heads `g * group..(g + 1) * group` of each row of `rows` (one sequence, blocks `table`),
+    /// each over its own positions (non-empty): per (row, head) `j = r * group + h`, the maximum
+    /// score, the sum of weights and the unnormalised V sum in `s`. Scores and V sums run over
+    /// the union of the rows' positions, each key and value row read once for all the rows; a
+    /// position outside a row's own range weighs 0 for it, so each row's arithmetic is the one
+    /// it has alone (scores, maximum and sum in position order; V chains in position order,
+    /// where the extra positions add zeros).
+    fn part(&self, rows: &[TileRow<'_>], table: &[u32], g: usize, s: &mut Scratch) {
         let (kv, isa) = (self.kv, self.isa);
         let hd = self.shape.head_dim;
         let nh = self.shape.n_head / self.shape.n_head_kv;
+        let m = rows.len() * nh;
         let h0 = g * nh;
-        let qh = |j: usize| &qrow[(h0 + j) * hd..(h0 + j + 1) * hd];
+        let qh = |j: usize| {
+            let (r, h) = (j / nh, h0 + j % nh);
+            &rows[r].q[h * hd..(h + 1) * hd]
+        };
         let row_q8 = hd / QK * Q8_BYTES;
         if kv.k_type.is_quantized() {
-            s.q8.resize(nh * row_q8, 0);
+            s.q8.resize(m * row_q8, 0);
             for (j, dst) in s.q8.chunks_exact_mut(row_q8).enumerate() {
                 if kv.k_rot > 0 {
                     s.qr.clear();
@@ -498,47 +803,60 @@ impl Job<'_> {
                 }
             }
         }
-        let (kp, vp) = (&kv.k[self.layer][..], &kv.v[self.layer][..]);
-        let (kb, vb) = (kv.k_type.row_bytes(hd), kv.v_type.row_bytes(hd));
+        let a0 = rows.iter().map(|r| r.a).min().expect("a row");
+        let b0 = rows.iter().map(|r| r.b).max().expect("a row");
+        let (n, stride) = (b0 + 1 - a0, (b0 + 1 - a0).next_multiple_of(KGROUP));
         let bs = self.block_size;
-        let slot = |p: usize| qa.block_table[p / bs] as usize * bs + p % bs;
-        let n = b + 1 - a;
-        s.s.resize(n * nh, 0.0);
-        for (p, sc) in (a..=b).zip(s.s.chunks_exact_mut(nh)) {
-            let k = &kp[slot(p) * kv.k_row + g * kb..][..kb];
-            key_scores(isa, kv.k_type, hd, k, &s.q8, qh, sc);
-        }
+        let slot = |p: usize| table[p / bs] as usize * bs + p % bs;
+        let (kb, vb) = (kv.k_type.row_bytes(hd), kv.v_type.row_bytes(hd));
+        s.offs.clear();
+        s.offs
+            .extend((a0..=b0).map(|p| slot(p) * kv.k_row + g * kb));
+        s.s.resize(m * stride, 0.0);
+        let kp = &kv.k[self.layer][..];
+        key_scores(
+            isa, kv.k_type, hd, kp, &s.offs, &s.q8, qh, m, &mut s.s, stride,
+        );
         s.m.clear();
-        s.m.resize(nh, f32::NEG_INFINITY);
-        for sc in s.s.chunks_exact_mut(nh) {
-            for (x, m) in sc.iter_mut().zip(s.m.iter_mut()) {
-                *x *= self.shape.scale;
-                *m = m.max(*x);
-            }
-        }
+        s.m.resize(m, f32::NEG_INFINITY);
         s.sum.clear();
-        s.sum.resize(nh, 0.0);
-        for sc in s.s.chunks_exact_mut(nh) {
-            for ((x, &m), sum) in sc.iter_mut().zip(&s.m).zip(s.sum.iter_mut()) {
-                *x = (*x - m).exp();
-                *sum += *x;
+        s.sum.resize(m, 0.0);
+        for (j, sc) in s.s.chunks_exact_mut(stride).enumerate() {
+            let r = &rows[j / nh];
+            let (lo, hi) = (r.a - a0, r.b - a0);
+            let mut mx = f32::NEG_INFINITY;
+            for x in &mut sc[lo..=hi] {
+                *x *= self.shape.scale;
+                mx = mx.max(*x);
             }
+            let mut sum = 0f32;
+            for x in &mut sc[lo..=hi] {
+                *x = (*x - mx).exp();
+                sum += *x;
+            }
+            sc[..lo].fill(0.0);
+            sc[hi + 1..n].fill(0.0);
+            (s.m[j], s.sum[j]) = (mx, sum);
         }
+        s.offs.clear();
+        s.offs
+            .extend((a0..=b0).map(|p| slot(p) * kv.v_row + g * vb));
         s.acc.clear();
-        s.acc.resize(nh * hd, 0.0);
-        for (p, w) in (a..=b).zip(s.s.chunks_exact(nh)) {
-            let v = &vp[slot(p) * kv.v_row + g * vb..][..vb];
-            accumulate_v(isa, kv.v_type, hd, v, w, &mut s.acc);
-        }
+        s.acc.resize(m * hd, 0.0);
+        let vp = &kv.v[self.layer][..];
+        accumulate_v(isa, kv.v_type, hd, vp, &s.offs, &s.s, stride, m, &mut s.acc);
     }
 }
 
 /// Causal attention of each query row of `q` (rows × n_head·head_dim) over the cached keys and
-/// values of `layer`, written to `out` (same shape), with the kernels `isa` selects. A unit is one
-/// query row and one KV head (all the query heads that read it); where there are fewer such pairs
-/// than threads (a decode step), each pair's positions are split into parts computed apart and
-/// merged as flash attention merges (rescaled by the parts' maxima). With `invariant`, each row is
-/// split as a one-row call would split it, so its result does not depend on the batch.
+/// values of `layer`, written to `out` (same shape), with the kernels `isa` selects. A unit is a
+/// tile of up to [`TILE_ROWS`] consecutive query rows of one sequence and one KV head (all the
+/// query heads that read it), where there are enough rows for every thread (prefill), else one
+/// row; where there are fewer (row, KV head) pairs than threads (a decode step), each pair's
+/// positions are split into parts computed apart and merged as flash attention merges (rescaled
+/// by the parts' maxima). A row's arithmetic is the same in a tile as alone. With `invariant`,
+/// each row is its own tile and is split as a one-row call would split it, so its result does
+/// not depend on the batch.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
@@ -557,25 +875,42 @@ pub fn attention(
     let (n_kv, group) = (shape.n_head_kv, shape.n_head / shape.n_head_kv);
     let threads = pool.n_threads();
     let rows = if invariant { 1 } else { queries.len() };
-    // How many parts a row's positions are cut into.
-    let parts_of = |qa: &AttnQuery<'_>| {
-        if rows * n_kv >= threads {
+    // Rows per tile: enough units left for two per thread.
+    let per_tile = (rows * n_kv / (2 * threads)).clamp(1, TILE_ROWS);
+    // Tile t is queries tiles[t].0..tiles[t].0 + tiles[t].1.
+    let mut tiles: Vec<(usize, usize)> = Vec::with_capacity(queries.len().div_ceil(per_tile));
+    for (i, qa) in queries.iter().enumerate() {
+        match tiles.last_mut() {
+            Some((f, c))
+                if *c < per_tile
+                    && queries[*f].seq == qa.seq
+                    && queries[*f].block_table == qa.block_table =>
+            {
+                *c += 1
+            }
+            _ => tiles.push((i, 1)),
+        }
+    }
+    // How many parts a (one-row) tile's positions are cut into.
+    let parts_of = |&(i, c): &(usize, usize)| {
+        if c > 1 || rows * n_kv >= threads {
             return 1;
         }
+        let qa = &queries[i];
         let n = (qa.pos + 1 - qa.lo) as usize;
         (2 * threads)
             .div_ceil(rows * n_kv)
             .min(n.div_ceil(MIN_SPLIT))
             .max(1)
     };
-    let parts: Vec<usize> = queries.iter().map(parts_of).collect();
-    // Row i's units are first[i]..first[i + 1]: KV head by KV head, part by part.
-    let mut first = Vec::with_capacity(queries.len() + 1);
+    let parts: Vec<usize> = tiles.iter().map(parts_of).collect();
+    // Tile t's units are first[t]..first[t + 1]: KV head by KV head, part by part.
+    let mut first = Vec::with_capacity(tiles.len() + 1);
     first.push(0);
     for &p in &parts {
         first.push(first.last().copied().unwrap_or(0) + n_kv * p);
     }
-    let units = first[queries.len()];
+    let units = first[tiles.len()];
     let split = parts.iter().any(|&p| p > 1);
     let job = Job {
         kv,
@@ -590,17 +925,27 @@ pub fn attention(
     let stride = hd + 2;
     let mut partial = vec![0f32; if split { units * group * stride } else { 0 }];
     let pdst = SharedMut(partial.as_mut_ptr());
-    pool.for_range(units, 1, |range| {
+    pool.for_range_with(units, 1, FINE_CHUNKS, |range| {
         SCRATCH.with_borrow_mut(|s| {
             for unit in range {
-                let i = first.partition_point(|&f| f <= unit) - 1;
-                let (np, qa) = (parts[i], &queries[i]);
-                let (g, c) = ((unit - first[i]) / np, (unit - first[i]) % np);
-                // Part c of the positions lo..=pos (empty when there are fewer positions).
-                let (lo, pos) = (qa.lo as usize, qa.pos as usize);
-                let len = (pos + 1 - lo).div_ceil(np);
-                let a = lo + c * len;
-                if a > pos {
+                let t = first.partition_point(|&f| f <= unit) - 1;
+                let ((i0, nr), np) = (tiles[t], parts[t]);
+                let (g, c) = ((unit - first[t]) / np, (unit - first[t]) % np);
+                let mut trows = [TileRow { q: &[], a: 0, b: 0 }; TILE_ROWS];
+                for (r, tr) in trows[..nr].iter_mut().enumerate() {
+                    let qa = &queries[i0 + r];
+                    // Part c of the positions lo..=pos (empty when there are fewer positions).
+                    let (lo, pos) = (qa.lo as usize, qa.pos as usize);
+                    let len = (pos + 1 - lo).div_ceil(np);
+                    let a = lo + c * len;
+                    *tr = TileRow {
+                        q: q.row(i0 + r),
+                        a,
+                        b: pos.min(a + len - 1),
+                    };
+                }
+                if trows[0].a > trows[0].b {
+                    // Only a split row (one row) has empty parts.
                     for j in 0..group {
                         // SAFETY: unit < units, so its `group * stride` values lie inside
                         // `partial` (only split rows have empty parts); each unit is run once, by
@@ -609,44 +954,55 @@ pub fn attention(
                     }
                     continue;
                 }
-                job.part(q.row(i), qa, g, a, pos.min(a + len - 1), s);
-                for j in 0..group {
-                    let acc = &s.acc[j * hd..(j + 1) * hd];
-                    if np > 1 {
-                        // SAFETY: as above: this unit's own values of `partial`.
-                        let p = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                pdst.ptr().add((unit * group + j) * stride),
-                                stride,
-                            )
+                job.part(&trows[..nr], queries[i0].block_table, g, s);
+                for r in 0..nr {
+                    let i = i0 + r;
+                    for j in 0..group {
+                        let rj = r * group + j;
+                        let acc = &s.acc[rj * hd..(rj + 1) * hd];
+                        if np > 1 {
+                            // SAFETY: as above: this unit's own values of `partial` (a split
+                            // tile is one row, r = 0).
+                            let p = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    pdst.ptr().add((unit * group + j) * stride),
+                                    stride,
+                                )
+                            };
+                            p[0] = s.m[rj];
+                            p[1] = s.sum[rj];
+                            p[2..].copy_from_slice(acc);
+                            continue;
+                        }
+                        let inv = if s.sum[rj] == 0.0 {
+                            0.0
+                        } else {
+                            1.0 / s.sum[rj]
                         };
-                        p[0] = s.m[j];
-                        p[1] = s.sum[j];
-                        p[2..].copy_from_slice(acc);
-                        continue;
-                    }
-                    let inv = if s.sum[j] == 0.0 { 0.0 } else { 1.0 / s.sum[j] };
-                    let h = g * group + j;
-                    // SAFETY: i < out.rows and h < n_head, so the slice lies inside `out`; each
-                    // (row, head) belongs to exactly one unit, run once, so the slices written by
-                    // the pool's threads are disjoint, and the pool joins before `out` is read.
-                    let o = unsafe {
-                        std::slice::from_raw_parts_mut(dst.ptr().add(i * out_cols + h * hd), hd)
-                    };
-                    for (o, &x) in o.iter_mut().zip(acc) {
-                        *o = x * inv;
-                    }
-                    if kv.v_rot > 0 {
-                        rotate::unrotate(o, kv.v_rot);
+                        let h = g * group + j;
+                        // SAFETY: i < out.rows and h < n_head, so the slice lies inside `out`;
+                        // each (row, head) belongs to exactly one unit, run once, so the slices
+                        // written by the pool's threads are disjoint, and the pool joins before
+                        // `out` is read.
+                        let o = unsafe {
+                            std::slice::from_raw_parts_mut(dst.ptr().add(i * out_cols + h * hd), hd)
+                        };
+                        for (o, &x) in o.iter_mut().zip(acc) {
+                            *o = x * inv;
+                        }
+                        if kv.v_rot > 0 {
+                            rotate::unrotate(o, kv.v_rot);
+                        }
                     }
                 }
             }
         })
     });
-    for (i, &np) in parts.iter().enumerate().filter(|(_, &p)| p > 1) {
+    for (t, &np) in parts.iter().enumerate().filter(|(_, &p)| p > 1) {
+        let i = tiles[t].0;
         for h in 0..shape.n_head {
             let (g, j) = (h / group, h % group);
-            let at = |c: usize| ((first[i] + g * np + c) * group + j) * stride;
+            let at = |c: usize| ((first[t] + g * np + c) * group + j) * stride;
             let m = (0..np)
                 .map(|c| partial[at(c)])
                 .fold(f32::NEG_INFINITY, f32::max);
@@ -932,6 +1288,237 @@ mod tests {
                                     "{kt:?}/{vt:?} hd {hd} case {i} head {h} dim {d}: {x} vs {want}"
                                 );
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The eight-key AVX2 score kernel gives each score bit for bit as [`key_dot_scalar`] (so as
+    /// [`key_dot_avx2`]), for both key types, heads of 1 to 16 blocks and ragged head counts.
+    #[test]
+    fn key_dots8_avx2_equals_its_scalar_twin_bit_for_bit() {
+        if !avx2() {
+            eprintln!("skipped: no AVX2");
+            return;
+        }
+        for ty in [CacheType::Q8_0, CacheType::Q4_0] {
+            for nb in [1usize, 4, 8, KGROUP_MAX_NB] {
+                let n = nb * QK;
+                let ks: Vec<Vec<u8>> = (0..KGROUP as u32)
+                    .map(|i| row(ty, &test_floats(n, 40 + i + 10 * nb as u32)))
+                    .collect();
+                let keys: [&[u8]; KGROUP] = std::array::from_fn(|i| ks[i].as_slice());
+                for m in [1usize, 5, 13] {
+                    let q = q8(&test_floats(m * n, 90 + m as u32));
+                    let stride = 24;
+                    let mut a = vec![f32::NAN; m * stride];
+                    let mut b = a.clone();
+                    key_dots8_scalar(ty, nb, &keys, &q, m, &mut a, stride);
+                    // SAFETY: AVX2 checked above; the callee checks the lengths.
+                    unsafe { key_dots8_avx2(ty, nb, &keys, &q, m, &mut b, stride) };
+                    for j in 0..m {
+                        for i in 0..KGROUP {
+                            let (x, y) = (a[j * stride + i], b[j * stride + i]);
+                            assert_eq!(x.to_bits(), y.to_bits(), "{ty:?} nb {nb} m {m} ({j}, {i})");
+                            // SAFETY: as above.
+                            let one = unsafe {
+                                key_dot_avx2(ty, nb, keys[i], &q[j * n / QK * Q8_BYTES..])
+                            };
+                            assert_eq!(x.to_bits(), one.to_bits(), "{ty:?} against key_dot_avx2");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX2 V kernel over many positions (scattered rows, more than one widened chunk, zero
+    /// weights) equals its scalar twin bit for bit, for every V type, head width and ragged head
+    /// count.
+    #[test]
+    fn accumulate_v_rows_avx2_equals_its_scalar_twin_bit_for_bit() {
+        if !avx2() {
+            eprintln!("skipped: no AVX2");
+            return;
+        }
+        for ty in CacheType::ALL {
+            for hd in [32usize, 128, 256] {
+                let n_rows = 50;
+                let vb = ty.row_bytes(hd);
+                let plane: Vec<u8> = (0..n_rows as u32)
+                    .flat_map(|r| row(ty, &test_floats(hd, 200 + r)))
+                    .collect();
+                for (m, n) in [(1usize, 1usize), (2, 9), (3, 33), (4, 40), (7, 50)] {
+                    let offs: Vec<usize> = (0..n).map(|k| (k * 17 + 3) % n_rows * vb).collect();
+                    let stride = n.next_multiple_of(8) + 8;
+                    let mut w = test_floats(m * stride, 7 + m as u32);
+                    for (k, x) in w.iter_mut().enumerate() {
+                        if k % 5 == 0 {
+                            *x = 0.0;
+                        }
+                    }
+                    let init = test_floats(m * hd, 8);
+                    let (mut a, mut b) = (init.clone(), init);
+                    accumulate_v_rows_scalar(ty, hd, &plane, &offs, &w, stride, m, &mut a);
+                    // SAFETY: AVX2 checked above; the callee checks the lengths.
+                    unsafe { accumulate_v_rows_avx2(ty, hd, &plane, &offs, &w, stride, m, &mut b) };
+                    for (x, y) in a.iter().zip(&b) {
+                        assert_eq!(x.to_bits(), y.to_bits(), "{ty:?} hd {hd} m {m} n {n}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// An f64 softmax attention of one query row (all heads) over positions `lo..=pos` of the
+    /// dequantized cache (rotated back), blocks `table`.
+    fn reference(
+        kv: &KvQuant,
+        table: &[u32],
+        bs: usize,
+        q: &[f32],
+        (lo, pos): (usize, usize),
+        shape: AttnShape,
+    ) -> Vec<f64> {
+        let (hd, kvd) = (shape.head_dim, kv.kv_dim);
+        let slot = |p: usize| table[p / bs] as usize * bs + p % bs;
+        let (mut kr, mut vr) = (vec![0f32; kvd], vec![0f32; kvd]);
+        let mut out = vec![0f64; shape.n_head * hd];
+        for h in 0..shape.n_head {
+            let g = h / (shape.n_head / shape.n_head_kv);
+            let qh = &q[h * hd..(h + 1) * hd];
+            let (mut sc, mut vals) = (Vec::new(), Vec::new());
+            for p in lo..=pos {
+                kv.key(0, slot(p), &mut kr);
+                kv.value(0, slot(p), &mut vr);
+                let s: f64 = kr[g * hd..(g + 1) * hd]
+                    .iter()
+                    .zip(qh)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum();
+                sc.push(s * shape.scale as f64);
+                vals.push(vr[g * hd..(g + 1) * hd].to_vec());
+            }
+            let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = sc.iter().map(|s| (s - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for d in 0..hd {
+                out[h * hd + d] = e
+                    .iter()
+                    .zip(&vals)
+                    .map(|(w, v)| w * v[d] as f64)
+                    .sum::<f64>()
+                    / z;
+            }
+        }
+        out
+    }
+
+    /// Prefill batches that take the tiled path (tiles of up to `TILE_ROWS` rows of one
+    /// sequence): two sequences with their own scattered blocks, ragged row counts (tiles cut
+    /// short at a sequence's end), causal rows and sliding windows, GQA and MQA, every pair of
+    /// K/V types, both ISAs. Each row equals the row-invariant result (each row alone) bit for
+    /// bit where a row alone is not split (as many KV heads as threads), else within the
+    /// split's rounding; scalar and AVX2 agree exactly; and every row is within tolerance of an
+    /// f64 softmax over the dequantized cache.
+    #[test]
+    fn tiled_prefill_matches_rows_alone_and_an_f64_reference() {
+        let pool = ThreadPool::new(2);
+        let bs = 16usize;
+        for (n_head, n_kv, hd) in [(6usize, 2usize, 128usize), (4, 1, 256), (4, 2, 32)] {
+            let kvd = n_kv * hd;
+            let tables: [Vec<u32>; 2] = [vec![3, 0, 7, 1, 11, 5, 2, 9, 4], vec![10, 6, 8, 12]];
+            let shape = AttnShape {
+                n_head,
+                n_head_kv: n_kv,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            for kt in CacheType::ALL {
+                for vt in CacheType::ALL {
+                    let mut kv = KvQuant::new(1, 13 * bs, kvd, hd, kt, vt).unwrap();
+                    let kact = CpuAct {
+                        data: test_floats(13 * bs * kvd, 31)
+                            .iter()
+                            .map(|x| x * 0.7)
+                            .collect(),
+                        rows: 13 * bs,
+                        cols: kvd,
+                    };
+                    let vact = CpuAct {
+                        data: test_floats(13 * bs * kvd, 32),
+                        rows: 13 * bs,
+                        cols: kvd,
+                    };
+                    let slots: Vec<usize> = (0..13 * bs).collect();
+                    kv.write(0, &kact, &vact, &slots);
+                    // (sequence, lo, pos): 37 causal rows of sequence 0 from position 60, 11
+                    // rows of sequence 1 under a window of 20, then 5 more rows of sequence 0
+                    // under a window of 30.
+                    let mut rows: Vec<(usize, usize, usize)> =
+                        (60..97).map(|p| (0, 0, p)).collect();
+                    rows.extend((40..51usize).map(|p| (1, (p + 1).saturating_sub(20), p)));
+                    rows.extend((97..102).map(|p| (0, p + 1 - 30, p)));
+                    let queries: Vec<AttnQuery<'_>> = rows
+                        .iter()
+                        .map(|&(sq, lo, pos)| AttnQuery {
+                            seq: sq as u32,
+                            block_table: &tables[sq],
+                            pos: pos as u32,
+                            lo: lo as u32,
+                        })
+                        .collect();
+                    let q = CpuAct {
+                        data: test_floats(rows.len() * n_head * hd, 33),
+                        rows: rows.len(),
+                        cols: n_head * hd,
+                    };
+                    let mut got = Vec::new();
+                    for isa in [Isa::Scalar, Isa::Avx2] {
+                        if isa == Isa::Avx2 && !avx2() {
+                            continue;
+                        }
+                        let run = |invariant: bool| {
+                            let mut out = CpuAct {
+                                data: vec![0.0; q.data.len()],
+                                rows: q.rows,
+                                cols: q.cols,
+                            };
+                            attention(
+                                &pool, &q, &kv, 0, bs, &queries, shape, &mut out, isa, invariant,
+                            );
+                            out.data
+                        };
+                        let (tiled, alone) = (run(false), run(true));
+                        if n_kv >= pool.n_threads() {
+                            assert_eq!(tiled, alone, "{kt:?}/{vt:?} hd {hd}: tiled != alone");
+                        } else {
+                            for (x, y) in tiled.iter().zip(&alone) {
+                                assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{x} {y}");
+                            }
+                        }
+                        got.push(tiled);
+                    }
+                    if got.len() == 2 {
+                        assert_eq!(
+                            got[0], got[1],
+                            "{kt:?}/{vt:?} hd {hd}: AVX2 and scalar differ"
+                        );
+                    }
+                    let tol = if kt.is_quantized() { 0.03 } else { 1e-4 };
+                    for (i, &(sq, lo, pos)) in rows.iter().enumerate() {
+                        let want = reference(&kv, &tables[sq], bs, q.row(i), (lo, pos), shape);
+                        for (d, (&x, &w)) in got[0][i * q.cols..(i + 1) * q.cols]
+                            .iter()
+                            .zip(&want)
+                            .enumerate()
+                        {
+                            assert!(
+                                (x as f64 - w).abs() <= tol * (1.0 + w.abs()),
+                                "{kt:?}/{vt:?} hd {hd} row {i} value {d}: {x} vs {w}"
+                            );
                         }
                     }
                 }
