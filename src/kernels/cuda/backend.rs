@@ -2,12 +2,11 @@
 //! (quantized; types without a kernel are dequantized to f16 at load), activations as device f32
 //! matrices, the paged KV cache as f16 device blocks (also for `KvType::F32` models), or K and V
 //! each in its `--cache-type` (ggml q8_0/q4_0 blocks of rotated values, as the CPU stores them,
-//! read in place by the `_q` attention kernels). The host side
-//! only sequences kernels (`ops`) through a [`Launch`]; small per-call tables (token ids,
-//! positions, KV slots, block tables) are uploaded per call. Errors inside an op cannot be returned
-//! through the `Backend` trait and end the process with a message naming the op (a launch fails
-//! only for a lost device or a bug). The steps of several kernels (matmuls, the fused sublayer
-//! paths) are in `sublayers.rs`.
+//! read in place by the `_q` attention kernels). The host side only sequences kernels (`ops`)
+//! through a [`Launch`]; small per-call tables (token ids, positions, KV slots, block tables) are
+//! uploaded per call. Errors inside an op cannot be returned through the `Backend` trait and end
+//! the process with a message naming the op (a launch fails only for a lost device or a bug). The
+//! steps of several kernels (matmuls, the fused sublayer paths) are in `sublayers.rs`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
