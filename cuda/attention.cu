@@ -151,6 +151,181 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 EMU_EXPORT(attn_merge)
 
+/// attn_split over a cache whose K and V rows are of types k_type and v_type (CACHE_*, not both
+/// f16; head_dim a multiple of 32), read in place: kc/vc rows of cache_bytes(type, kv_dim) bytes
+/// a slot, a head's blocks at cache_bytes(type, kvh * head_dim). A quantized K: each query head is
+/// rotated and rounded to q8_0 once per block (as the CPU's quant_cache.rs does), and a score is
+/// the sum over blocks of the integer dot product of the two blocks' bytes (dp4a; a q4_0 block's
+/// nibbles minus 8) times the two scales. A quantized V: the weighted sum is accumulated from the
+/// blocks (still rotated) and each head's result rotated back (Tᵀ) before it is written; the
+/// merge of splits is linear, so attn_merge takes these records as they are. An f16 side is read
+/// as attn_split reads it. grid (n_q, n_head_kv, n_split), block (128).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+    attn_split_q(const float* __restrict__ q, const uint8_t* __restrict__ kc,
+                 const uint8_t* __restrict__ vc, const int* __restrict__ tables,
+                 const int* __restrict__ meta, float* __restrict__ part, int n_head, int n_head_kv,
+                 int head_dim, int block_size, int kv_dim, float scale, int n_split,
+                 float* __restrict__ out, uint8_t* __restrict__ q8, int k_type, int v_type) {
+  __shared__ float qs[ATTN_MAX_G * ATTN_MAX_HD];           // f16 K: the group's query heads
+  __shared__ int qq[ATTN_MAX_G * ATTN_MAX_HD / 4];         // quantized K: their q8_0 bytes
+  __shared__ float qd[ATTN_MAX_G * ATTN_MAX_HD / 32];      // and block scales
+  __shared__ float sc[ATTN_MAX_G * ATTN_SPLIT];
+  __shared__ int slot[ATTN_SPLIT];
+  __shared__ float ml[ATTN_MAX_G * 2];
+  const int qi = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  const int G = n_head / n_head_kv, hd = head_dim, nb = hd / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = ATTN_THREADS / 32;
+  const int* table = tables + meta[3 * qi];
+  const int pos = meta[3 * qi + 1], lo = meta[3 * qi + 2];
+  const int start = lo + split * ATTN_SPLIT;
+  const int n = max(0, min(ATTN_SPLIT, pos + 1 - start));  // keys in this split (may be 0)
+  const size_t k_row = cache_bytes(k_type, kv_dim), v_row = cache_bytes(v_type, kv_dim);
+  const size_t k_head = cache_bytes(k_type, kvh * hd), v_head = cache_bytes(v_type, kvh * hd);
+  const float* qg = q + (size_t)qi * n_head * hd + (size_t)kvh * G * hd;
+
+  if (k_type == CACHE_F16) {
+    for (int i = threadIdx.x; i < G * hd; i += ATTN_THREADS) qs[i] = qg[i];
+  } else {
+    // warp w takes the (head, block) pairs w, w + 4, ...: rotated, then rounded to q8_0
+    for (int w = warp; w < G * nb; w += nwarps) {  // warp-uniform
+      float d;
+      const int v = q8_0_round_warp(rotate_warp(qg[w * 32 + lane]), &d);
+      reinterpret_cast<int8_t*>(qq)[w * 32 + lane] = (int8_t)v;
+      if (lane == 0) qd[w] = __half2float(__float2half_rn(d));
+    }
+  }
+  for (int j = threadIdx.x; j < n; j += ATTN_THREADS) {
+    const int key = start + j;
+    slot[j] = table[key / block_size] * block_size + key % block_size;
+  }
+  __syncthreads();
+
+  // scores: warp w takes keys w, w + 4, ...
+  for (int j = warp; j < n; j += nwarps) {
+    const uint8_t* k = kc + (size_t)slot[j] * k_row + k_head;
+    if (k_type == CACHE_F16) {
+      // lane holds K elements lane, lane + 32, ...
+      float kr[ATTN_MAX_HD / 32];
+#pragma unroll
+      for (int e = 0; e < ATTN_MAX_HD / 32; e++) {
+        const int d = lane + 32 * e;
+        kr[e] = d < hd ? __half2float(reinterpret_cast<const __half*>(k)[d]) : 0.0f;
+      }
+      for (int g = 0; g < G; g++) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < ATTN_MAX_HD / 32; e++) {
+          const int d = lane + 32 * e;
+          if (d < hd) dot += qs[g * hd + d] * kr[e];
+        }
+        dot = warp_sum(dot);
+        if (lane == 0) sc[g * ATTN_SPLIT + j] = dot * scale;
+      }
+      continue;
+    }
+    // lane holds the 4-byte groups s = lane + 32 e of the head: block s / 8, values
+    // 4 (s % 8) .. 4 (s % 8) + 3 (a q4_0 block's values i and i + 16 share byte i)
+    int kv4[ATTN_MAX_HD / 128];
+    float dk[ATTN_MAX_HD / 128];
+#pragma unroll
+    for (int e = 0; e < ATTN_MAX_HD / 128; e++) {
+      const int s = lane + 32 * e, b = s / 8, w = s % 8;
+      kv4[e] = 0;
+      dk[e] = 0.0f;
+      if (s < nb * 8) {
+        if (k_type == CACHE_Q8_0) {
+          const uint8_t* blk = k + b * Q8_0_BYTES;
+          dk[e] = load_half(blk);
+          kv4[e] = load_i32_a2(blk + 2 + 4 * w);
+        } else {
+          const uint8_t* blk = k + b * Q4_0_BYTES;
+          dk[e] = load_half(blk);
+          kv4[e] = (load_i32_a2(blk + 2 + 4 * (w % 4)) >> (4 * (w / 4))) & 0x0F0F0F0F;
+        }
+      }
+    }
+    for (int g = 0; g < G; g++) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int e = 0; e < ATTN_MAX_HD / 128; e++) {
+        const int s = lane + 32 * e;
+        const int qv = s < nb * 8 ? qq[g * nb * 8 + s] : 0;
+        int isum = dp4a_s8(kv4[e], qv, 0);
+        if (k_type == CACHE_Q4_0) isum -= 8 * dp4a_s8(0x01010101, qv, 0);
+        isum += __shfl_xor_sync(FULL_MASK, isum, 1);
+        isum += __shfl_xor_sync(FULL_MASK, isum, 2);
+        isum += __shfl_xor_sync(FULL_MASK, isum, 4);  // the block's exact integer sum
+        if (s < nb * 8 && s % 8 == 0) dot += (dk[e] * qd[g * nb + s / 8]) * (float)isum;
+      }
+      dot = warp_sum(dot);
+      if (lane == 0) sc[g * ATTN_SPLIT + j] = dot * scale;
+    }
+  }
+  __syncthreads();
+
+  // softmax pieces: warp w takes heads w, w + 4, ...
+  for (int g = warp; g < G; g += nwarps) {
+    float m = NEG_INF;
+    for (int j = lane; j < n; j += 32) m = fmaxf(m, sc[g * ATTN_SPLIT + j]);
+    m = warp_max(m);
+    float l = 0.0f;
+    for (int j = lane; j < n; j += 32) {
+      const float p = expf(sc[g * ATTN_SPLIT + j] - m);
+      sc[g * ATTN_SPLIT + j] = p;
+      l += p;
+    }
+    l = warp_sum(l);
+    if (lane == 0) {
+      ml[2 * g] = m;
+      ml[2 * g + 1] = l;
+    }
+  }
+  __syncthreads();
+
+  // weighted V: thread d accumulates every head of the group at once; with head_dim a multiple
+  // of 32 a warp holds one whole block of each head (value d % 32 in lane d % 32)
+  for (int d = threadIdx.x; d < hd; d += ATTN_THREADS) {  // warp-uniform
+    float acc[ATTN_MAX_G];
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_G; g++) acc[g] = 0.0f;
+    for (int j = 0; j < n; j++) {
+      const float v = cache_value(v_type, vc + (size_t)slot[j] * v_row + v_head, d);
+#pragma unroll
+      for (int g = 0; g < ATTN_MAX_G; g++)
+        if (g < G) acc[g] += sc[g * ATTN_SPLIT + j] * v;
+    }
+    if (v_type != CACHE_F16) {
+#pragma unroll
+      for (int g = 0; g < ATTN_MAX_G; g++)
+        if (g < G) acc[g] = unrotate_warp(acc[g]);
+    }
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_G; g++) {
+      if (g < G) {
+        const int h = kvh * G + g;
+        if (n_split == 1)  // what attn_merge would make of one split: e^0 = 1 exactly
+          out[((size_t)qi * n_head + h) * hd + d] = n > 0 ? acc[g] / ml[2 * g + 1] : 0.0f;
+        else
+          part[(((size_t)qi * n_head + h) * n_split + split) * (hd + 2) + d] = acc[g];
+      }
+    }
+    if (n_split == 1 && q8) {
+#pragma unroll 1
+      for (int g = 0; g < G; g++) {
+        const size_t o = ((size_t)qi * n_head + kvh * G + g) * hd + d;
+        q8_1_warp(out[o], q8 + o / 32 * Q8_1_BYTES);
+      }
+    }
+  }
+  if ((int)threadIdx.x < G) {
+    const int g = threadIdx.x, h = kvh * G + g;
+    float* rec = part + (((size_t)qi * n_head + h) * n_split + split) * (hd + 2);
+    rec[hd] = n > 0 ? ml[2 * g] : NEG_INF;
+    rec[hd + 1] = n > 0 ? ml[2 * g + 1] : 0.0f;
+  }
+}
+EMU_EXPORT(attn_split_q)
+
 #define PF_T 8   // queries per tile (2 per warp)
 #define PF_KC 32 // keys per chunk (one per lane)
 
@@ -250,3 +425,144 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
   }
 }
 EMU_EXPORT(attn_prefill)
+
+#define PFQ_ROW_WORDS (ATTN_MAX_HD / 2 + 1)  // a head's row in shared memory, f16 at most
+
+/// attn_prefill over a cache whose K and V rows are of types k_type and v_type (CACHE_*, as
+/// attn_split_q's; head_dim a multiple of 32). A chunk's K and V heads are copied to shared memory
+/// as stored (a q8_0 head of 128 values is 136 bytes where f16 takes 256) and each value is
+/// dequantized where it is used, in f32 (no rounding beyond the cache's own). With a quantized K
+/// the tile's query heads are rotated once (T per block: (Tq)·(Tk) = q·k) and kept in f32: every
+/// key is read by up to 8 queries here, so rounding them to q8_0 for integer dot products would
+/// save little and cost accuracy. With a quantized V each output head is rotated back (Tᵀ).
+/// grid (n_tiles, n_head), block (128).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
+    attn_prefill_q(const float* __restrict__ q, const uint8_t* __restrict__ kc,
+                   const uint8_t* __restrict__ vc, const int* __restrict__ tables,
+                   const int* __restrict__ meta, const int* __restrict__ tiles,
+                   float* __restrict__ out, int n_head, int n_head_kv, int head_dim,
+                   int block_size, int kv_dim, float scale, int k_type, int v_type) {
+  __shared__ float qs[PF_T * ATTN_MAX_HD];
+  __shared__ int ks[PF_KC * PFQ_ROW_WORDS];
+  __shared__ int vs[PF_KC * PFQ_ROW_WORDS];
+  __shared__ float ps[ATTN_THREADS / 32][32];
+  const int h = blockIdx.y, hd = head_dim, kvh = h / (n_head / n_head_kv);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = ATTN_THREADS / 32;
+  const int kb = cache_bytes(k_type, hd), vb = cache_bytes(v_type, hd);  // bytes of a head
+  // Row strides in words, odd: lanes reading different keys hit different banks.
+  const int kw = ((kb + 3) / 4) | 1, vw = ((vb + 3) / 4) | 1;
+  const size_t k_row = cache_bytes(k_type, kv_dim), v_row = cache_bytes(v_type, kv_dim);
+  const size_t k_head = cache_bytes(k_type, kvh * hd), v_head = cache_bytes(v_type, kvh * hd);
+  const int q0 = tiles[2 * blockIdx.x], nq = tiles[2 * blockIdx.x + 1];
+  const int* table = tables + meta[3 * q0];
+  int lo_min = 0x7fffffff, pos_max = -1;
+  for (int i = 0; i < nq; i++) {
+    lo_min = min(lo_min, meta[3 * (q0 + i) + 2]);
+    pos_max = max(pos_max, meta[3 * (q0 + i) + 1]);
+  }
+  for (int x = threadIdx.x; x < nq * hd; x += ATTN_THREADS)
+    qs[x] = q[(size_t)(q0 + x / hd) * n_head * hd + (size_t)h * hd + x % hd];
+  if (k_type != CACHE_F16) {
+    __syncthreads();
+    for (int w = warp; w < nq * (hd / 32); w += nwarps) {  // warp-uniform; own values only
+      const float x = rotate_warp(qs[w * 32 + lane]);
+      qs[w * 32 + lane] = x;
+    }
+  }
+
+  float m[2], l[2], acc[2][ATTN_MAX_HD / 32];
+#pragma unroll
+  for (int a = 0; a < 2; a++) {
+    m[a] = NEG_INF;
+    l[a] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < ATTN_MAX_HD / 32; e++) acc[a][e] = 0.0f;
+  }
+
+  for (int k0 = lo_min; k0 <= pos_max; k0 += PF_KC) {
+    const int n = min(PF_KC, pos_max + 1 - k0);
+    __syncthreads();  // the previous chunk (and the query's rotation) is done
+    // Heads are whole 2-byte units (f16 values, 34- or 18-byte blocks): copied as such.
+    for (int x = threadIdx.x; x < n * (kb / 2); x += ATTN_THREADS) {
+      const int j = x / (kb / 2), t = x % (kb / 2), key = k0 + j;
+      const size_t s = (size_t)(table[key / block_size] * block_size + key % block_size);
+      reinterpret_cast<uint16_t*>(ks + j * kw)[t] =
+          reinterpret_cast<const uint16_t*>(kc + s * k_row + k_head)[t];
+    }
+    for (int x = threadIdx.x; x < n * (vb / 2); x += ATTN_THREADS) {
+      const int j = x / (vb / 2), t = x % (vb / 2), key = k0 + j;
+      const size_t s = (size_t)(table[key / block_size] * block_size + key % block_size);
+      reinterpret_cast<uint16_t*>(vs + j * vw)[t] =
+          reinterpret_cast<const uint16_t*>(vc + s * v_row + v_head)[t];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < 2; a++) {
+      const int i = warp + 4 * a;
+      if (i >= nq) continue;  // warp-uniform
+      const int pos = meta[3 * (q0 + i) + 1], lo = meta[3 * (q0 + i) + 2];
+      const int key = k0 + lane;
+      const bool valid = lane < n && key >= lo && key <= pos;
+      float s = NEG_INF;
+      if (valid) {
+        const uint8_t* kr = reinterpret_cast<const uint8_t*>(ks + lane * kw);
+        float dot = 0.0f;
+        if (k_type == CACHE_F16) {
+          for (int d = 0; d < hd; d++) dot += qs[i * hd + d] * cache_value(CACHE_F16, kr, d);
+        } else {
+#pragma unroll 1
+          for (int b = 0; b < hd / 32; b++) {
+            float bs = 0.0f;
+            const uint8_t* blk = kr + b * (k_type == CACHE_Q8_0 ? Q8_0_BYTES : Q4_0_BYTES);
+#pragma unroll 4
+            for (int t = 0; t < 32; t++) {
+              const int qv = k_type == CACHE_Q8_0
+                                 ? (int)reinterpret_cast<const int8_t*>(blk + 2)[t]
+                                 : (t < 16 ? blk[2 + t] & 15 : blk[2 + t - 16] >> 4) - 8;
+              bs += qs[i * hd + b * 32 + t] * (float)qv;
+            }
+            dot += load_half(blk) * bs;
+          }
+        }
+        s = dot * scale;
+      }
+      const float cm = warp_max(s);
+      if (cm == NEG_INF) continue;  // warp-uniform: no visible key in this chunk
+      const float m_new = fmaxf(m[a], cm);
+      const float corr = expf(m[a] - m_new);  // 0 while m is -inf
+      const float p = valid ? expf(s - m_new) : 0.0f;
+      l[a] = l[a] * corr + warp_sum(p);
+      ps[warp][lane] = p;
+      __syncwarp();
+#pragma unroll
+      for (int e = 0; e < ATTN_MAX_HD / 32; e++) acc[a][e] *= corr;
+      // Key by key (not unrolled: code size), a lane's values lane, lane + 32, ... of each.
+#pragma unroll 1
+      for (int j = 0; j < n; j++) {
+        const float pj = ps[warp][j];
+        const uint8_t* vr = reinterpret_cast<const uint8_t*>(vs + j * vw);
+#pragma unroll
+        for (int e = 0; e < ATTN_MAX_HD / 32; e++) {
+          const int d = lane + 32 * e;
+          if (d < hd) acc[a][e] += pj * cache_value(v_type, vr, d);
+        }
+      }
+      __syncwarp();  // ps is rewritten by the next query
+      m[a] = m_new;
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < 2; a++) {
+    const int i = warp + 4 * a;
+    if (i >= nq) continue;  // warp-uniform
+#pragma unroll
+    for (int e = 0; e < ATTN_MAX_HD / 32; e++) {
+      const int d = lane + 32 * e;
+      if (d < hd) {  // warp-uniform: head_dim is a multiple of 32
+        const float x = v_type != CACHE_F16 ? unrotate_warp(acc[a][e]) : acc[a][e];
+        out[(size_t)(q0 + i) * n_head * hd + (size_t)h * hd + d] = l[a] > 0.0f ? x / l[a] : 0.0f;
+      }
+    }
+  }
+}
+EMU_EXPORT(attn_prefill_q)

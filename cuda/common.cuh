@@ -193,3 +193,116 @@ __device__ __forceinline__ void block_argmax(float& best, int& bi, float* sv, in
     bi = have ? si[lane] : 0x7fffffff;
   }
 }
+
+// --- the quantized KV cache (src/kernels/cpu/attention/quant_cache.rs, rotate.rs) ---------------
+// A cache row of K or V is kv_dim values in one of these types; a quantized row is ggml blocks
+// (block_q8_0 / block_q4_0) of its values rotated by T = H·D/√32 per 32-value block, an f16 row
+// the values as they are.
+#define CACHE_F16 0
+#define CACHE_Q8_0 1
+#define CACHE_Q4_0 2
+
+/// Bytes of n values (a multiple of 32 for the quantized types) of a cache type.
+__device__ __forceinline__ int cache_bytes(int type, int n) {
+  return type == CACHE_Q8_0 ? n / 32 * Q8_0_BYTES : type == CACHE_Q4_0 ? n / 32 * Q4_0_BYTES : 2 * n;
+}
+
+/// 1/√32 as Rust's `1.0f32 / 32f32.sqrt()` rounds it.
+#define KV_ROT_SCALE __int_as_float(0x3e3504f3)
+
+/// Whether value i of a 32-value run is negated by D (rotate.rs `negated`).
+__device__ __forceinline__ bool kv_rot_negated(int i) { return ((uint32_t)i * 0x9E3779B9u) >> 31; }
+
+/// The unnormalised Walsh–Hadamard transform of the warp's 32 values (lane i holding value i),
+/// with exactly rotate.rs `fwht`'s additions. Called by all 32 lanes together.
+__device__ __forceinline__ float fwht_warp(float x) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int h = 1; h < 32; h <<= 1) {
+    const float o = __shfl_xor_sync(FULL_MASK, x, h);
+    x = (lane & h) ? __fsub_rn(o, x) : __fadd_rn(x, o);
+  }
+  return x;
+}
+
+/// T·x for a 32-value block held one value a lane (rotate.rs `rotate`, bit for bit).
+__device__ __forceinline__ float rotate_warp(float x) {
+  const int lane = threadIdx.x % 32;
+  return __fmul_rn(fwht_warp(kv_rot_negated(lane) ? -x : x), KV_ROT_SCALE);
+}
+
+/// Tᵀ·x for a 32-value block held one value a lane (rotate.rs `unrotate`).
+__device__ __forceinline__ float unrotate_warp(float x) {
+  const int lane = threadIdx.x % 32;
+  return __fmul_rn(fwht_warp(x), kv_rot_negated(lane) ? -KV_ROT_SCALE : KV_ROT_SCALE);
+}
+
+/// The q8_0 rounding of a 32-value block held one value a lane (ggml's quantize_row_q8_0_ref:
+/// d = amax / 127, q = roundf(v / d)): lane's q, and d through its f16 in `d_out`.
+__device__ __forceinline__ int q8_0_round_warp(float v, float* d_out) {
+  const float amax = warp_max(fabsf(v));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  *d_out = d;
+  return (int)roundf(v * id);
+}
+
+/// One block_q8_0 (34 bytes at `ob`, 2-byte aligned) from a warp's 32 values.
+__device__ __forceinline__ void q8_0_warp(float v, uint8_t* ob) {
+  float d;
+  const int q = q8_0_round_warp(v, &d);
+  reinterpret_cast<int8_t*>(ob + 2)[threadIdx.x % 32] = (int8_t)q;
+  if (threadIdx.x % 32 == 0) reinterpret_cast<__half*>(ob)[0] = __float2half_rn(d);
+}
+
+/// One block_q4_0 (18 bytes at `ob`) from a warp's 32 values, as ggml's quantize_row_q4_0_ref:
+/// the first value of the largest magnitude (0 for an all-zero block) over -8 is d, and value i
+/// is MIN(15, (int8_t)(v / d + 8.5f)), i and i + 16 sharing byte i (low and high nibble).
+__device__ __forceinline__ void q4_0_warp(float v, uint8_t* ob) {
+  const int lane = threadIdx.x % 32;
+  float a = fabsf(v);
+  int who = lane;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float oa = __shfl_xor_sync(FULL_MASK, a, o);
+    const int ow = __shfl_xor_sync(FULL_MASK, who, o);
+    if (oa > a || (oa == a && ow < who)) {
+      a = oa;
+      who = ow;
+    }
+  }
+  const float mx0 = __shfl_sync(FULL_MASK, v, who);
+  const float mx = a > 0.0f ? mx0 : 0.0f;  // ggml keeps max = 0 when no |v| exceeds 0
+  const float d = mx / -8.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  const int q = min(15, (int)__fadd_rn(__fmul_rn(v, id), 8.5f));
+  const int hi = __shfl_sync(FULL_MASK, q, (lane + 16) & 31);
+  if (lane < 16) ob[2 + lane] = (uint8_t)(q | (hi << 4));
+  if (lane == 0) reinterpret_cast<__half*>(ob)[0] = __float2half_rn(d);
+}
+
+/// Block `blk` of a cache row (`row`: its first byte) from a warp's 32 values: rotated and
+/// rounded to the row's quantized type, or as f16. Called by all 32 lanes together.
+__device__ __forceinline__ void cache_store_warp(float v, int type, uint8_t* row, int blk) {
+  if (type == CACHE_F16) {
+    reinterpret_cast<__half*>(row)[blk * 32 + threadIdx.x % 32] = __float2half_rn(v);
+  } else if (type == CACHE_Q8_0) {
+    q8_0_warp(rotate_warp(v), row + blk * Q8_0_BYTES);
+  } else {
+    q4_0_warp(rotate_warp(v), row + blk * Q4_0_BYTES);
+  }
+}
+
+/// Value d of a cache row (`row`: a head's first byte) as stored: an f16, or a quantized block's
+/// value (still rotated).
+__device__ __forceinline__ float cache_value(int type, const uint8_t* row, int d) {
+  if (type == CACHE_F16) return __half2float(reinterpret_cast<const __half*>(row)[d]);
+  const int b = d / 32, i = d % 32;
+  if (type == CACHE_Q8_0) {
+    const uint8_t* blk = row + b * Q8_0_BYTES;
+    return load_half(blk) * (float)reinterpret_cast<const int8_t*>(blk + 2)[i];
+  }
+  const uint8_t* blk = row + b * Q4_0_BYTES;
+  const int byte = blk[2 + (i & 15)];
+  return load_half(blk) * (float)((i < 16 ? byte & 15 : byte >> 4) - 8);
+}

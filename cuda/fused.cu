@@ -1,9 +1,10 @@
 // The decode step's work between the big matrix products, fused so that each stretch is one launch
 // instead of three or four: the residual add (with Gemma's norm of the sublayer output) + the RMS
 // norm + the q8_1 quantization the next GEMV reads; the per-head q/k norms + RoPE of q and k + q's
-// scale + the f16 KV-cache write; and the gated activation + q8_1. Each computes what the unfused
-// kernels of ops.cu and gemv.cu compute, in the same order where the result depends on it (the
-// norm's block sum, the RoPE angles, the activation), so that the backend may take either path.
+// scale + the KV-cache write (f16, or rotated ggml blocks for a quantized cache); and the gated
+// activation + q8_1. Each computes what the unfused kernels of ops.cu and gemv.cu compute, in the
+// same order where the result depends on it (the norm's block sum, the RoPE angles, the
+// activation), so that the backend may take either path.
 #include "common.cuh"
 
 /// Per row (grid (rows), block (256)), with n values a row:
@@ -53,15 +54,19 @@ EMU_EXPORT(add_rms_norm_q8)
 /// h - n_head. A head is first RMS-normed when its norm weights (qn, kn: head_dim) are given, then
 /// rotated as the `rope` kernel rotates it (theta_i = pos * theta_scale^i by repeated
 /// multiplication, divided by ff[i] when given); a query head is then multiplied by q_scale and
-/// written back to q, a KV head is written as f16 to kc at cache slot slots[r], and the matching
-/// head of v to vc (k itself is not written). head_dim is even and at most 256.
+/// written back to q, a KV head is written to kc at cache slot slots[r], and the matching head of
+/// v to vc (k itself is not written), each in its cache type (k_type, v_type: CACHE_*; as f16, or
+/// rotated and rounded to ggml blocks by cache_store_warp, head_dim then a multiple of 32).
+/// head_dim is even and at most 256.
 extern "C" __global__ void __launch_bounds__(128)
     rope_kv(float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-            __half* __restrict__ kc, __half* __restrict__ vc, const int* __restrict__ slots,
+            uint8_t* __restrict__ kc, uint8_t* __restrict__ vc, const int* __restrict__ slots,
             const int* __restrict__ pos, const float* __restrict__ ff,
             const float* __restrict__ qn, const float* __restrict__ kn, int n_head, int n_head_kv,
-            int head_dim, float theta_scale, int neox, float q_scale, float eps) {
+            int head_dim, float theta_scale, int neox, float q_scale, float eps, int k_type,
+            int v_type) {
   __shared__ float scratch[32];
+  __shared__ float kvh_buf[2][256];  // a quantized cache's K and V head, before its blocks
   const int r = blockIdx.x, h = blockIdx.y, half = head_dim / 2;
   const bool is_q = h < n_head;
   const int kvh = h - n_head, kv_dim = n_head_kv * head_dim;
@@ -106,14 +111,32 @@ extern "C" __global__ void __launch_bounds__(128)
       float* d = q + ((size_t)r * n_head + h) * head_dim;
       d[a] = y0 * q_scale;
       d[b] = y1 * q_scale;
-    } else {
+    } else if (k_type == CACHE_F16 && v_type == CACHE_F16) {
       const size_t base = (size_t)slots[r] * kv_dim + (size_t)kvh * head_dim;
       const float* vr = v + (size_t)r * kv_dim + (size_t)kvh * head_dim;
-      kc[base + a] = __float2half_rn(y0);
-      kc[base + b] = __float2half_rn(y1);
-      vc[base + a] = __float2half_rn(vr[a]);
-      vc[base + b] = __float2half_rn(vr[b]);
+      __half* kh = reinterpret_cast<__half*>(kc);
+      __half* vh = reinterpret_cast<__half*>(vc);
+      kh[base + a] = __float2half_rn(y0);
+      kh[base + b] = __float2half_rn(y1);
+      vh[base + a] = __float2half_rn(vr[a]);
+      vh[base + b] = __float2half_rn(vr[b]);
+    } else {
+      const float* vr = v + (size_t)r * kv_dim + (size_t)kvh * head_dim;
+      kvh_buf[0][a] = y0;
+      kvh_buf[0][b] = y1;
+      kvh_buf[1][a] = vr[a];
+      kvh_buf[1][b] = vr[b];
     }
+  }
+  if (is_q || (k_type == CACHE_F16 && v_type == CACHE_F16)) return;  // block-uniform
+  // A quantized cache: warp w takes the head's 32-value blocks w, w + 4, ... of K, then of V.
+  __syncthreads();
+  const int lane = threadIdx.x % 32, nb = head_dim / 32;
+  for (int w = threadIdx.x / 32; w < 2 * nb; w += blockDim.x / 32) {  // warp-uniform
+    const int side = w < nb ? 0 : 1, blk = w % nb, type = side ? v_type : k_type;
+    uint8_t* row = (side ? vc : kc) + (size_t)slots[r] * cache_bytes(type, kv_dim) +
+                   (size_t)cache_bytes(type, kvh * head_dim);
+    cache_store_warp(kvh_buf[side][blk * 32 + lane], type, row, blk);
   }
 }
 EMU_EXPORT(rope_kv)

@@ -134,6 +134,24 @@ extern "C" __global__ void kv_write(__half* __restrict__ kc, __half* __restrict_
 }
 EMU_EXPORT(kv_write)
 
+/// Rows of k and v (kv_dim f32 values each, kv_dim a multiple of 32) into a cache whose K and V
+/// rows are of types k_type and v_type (CACHE_*; see cache_store_warp) at slots[r]. grid (rows),
+/// block (128): a warp a 32-value block.
+extern "C" __global__ void __launch_bounds__(128)
+    kv_write_q(uint8_t* __restrict__ kc, uint8_t* __restrict__ vc, const float* __restrict__ k,
+               const float* __restrict__ v, const int* __restrict__ slots, int kv_dim, int k_type,
+               int v_type) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nb = kv_dim / 32;
+  const size_t slot = (size_t)slots[blockIdx.x], src = (size_t)blockIdx.x * kv_dim;
+  for (int w = warp; w < 2 * nb; w += blockDim.x / 32) {  // warp-uniform
+    const bool is_k = w < nb;
+    const int b = is_k ? w : w - nb, type = is_k ? k_type : v_type;
+    uint8_t* row = (is_k ? kc : vc) + slot * cache_bytes(type, kv_dim);
+    cache_store_warp((is_k ? k : v)[src + b * 32 + lane], type, row, b);
+  }
+}
+EMU_EXPORT(kv_write_q)
+
 /// out[r] = the index of the largest value of row r (the lowest such index on ties; NaN is never
 /// chosen over a number). grid (rows), block (256).
 extern "C" __global__ void __launch_bounds__(256)

@@ -12,7 +12,8 @@
 # `infer bench --device cuda --json` (the device's bandwidth measured in the same run, pp512,
 # tg128, and batched decode through the scheduler at 1, 8 and 32 sequences) and
 # `infer bench --profile` (every kernel of 16 decode steps at 512 positions timed alone: time
-# and bandwidth).
+# and bandwidth), and last, Qwen's decode at depth 4,096 with the KV cache in f16, q8_0 and q4_0
+# (`--kv-types`, timed in the same run).
 # Each step has its own time limit and nothing runs past BUDGET (470 s), so the whole run stays
 # under 8 minutes; a failed step is recorded in $OUT/summary.txt and the others still run. Every
 # GPU figure in a note comes from these files.
@@ -65,9 +66,9 @@ step() {
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.memory --format=csv 2>&1 || true; uname -a; nproc; } > "$OUT/device.txt"
 
 if [ "$QUICK" = 1 ]; then
-    PP=64; TG=16; REPS=1; LEVELS=1,8; CPROMPT=32; CGEN=8; PDEPTH=32
+    PP=64; TG=16; REPS=1; LEVELS=1,8; CPROMPT=32; CGEN=8; PDEPTH=32; KDEPTH=64
 else
-    PP=512; TG=128; REPS=3; LEVELS=1,8,32; CPROMPT=512; CGEN=64; PDEPTH=512
+    PP=512; TG=128; REPS=3; LEVELS=1,8,32; CPROMPT=512; CGEN=64; PDEPTH=512; KDEPTH=4096
 fi
 
 for m in qwen gemma; do
@@ -87,6 +88,8 @@ for m in qwen gemma; do
         -p "$CPROMPT" -n "$CGEN" -r 1 --shared-prefix 0 --json
     step "profile-$m" 45 "$BIN" bench --device "$DEVICE" -m "$WORK/$m.gguf" -d "$PDEPTH" -p 0 -n 16 -r 1 --profile
 done
+step kvtypes-qwen 45 "$BIN" bench --device "$DEVICE" -m "$WORK/qwen.gguf" -d "$KDEPTH" -p 0 -n 32 -r 1 \
+    --kv-types f16,q8_0,q4_0 --json
 
 rm -rf "$WORK"
 cat "$SUMMARY"

@@ -15,6 +15,11 @@
 
 /// See the module docs.
 const QUANTIZED_TOL: f32 = 0.04;
+/// A q8_0 side of the KV cache with f16 weights: each backend rounds its own K and V rows (equal
+/// to the last bits) to q8_0 blocks, and a value near a rounding boundary may land a step apart
+/// (measured 0.33-0.75%; 0.59% for Gemma 3 in f32). A q4_0 cache's steps are 16 times coarser: it
+/// is checked at [`QUANTIZED_TOL`] (measured 1.55% in f32, 1.94% for q8_0 beside q5_0 weights).
+const QUANT_CACHE_TOL: f32 = 0.02;
 /// Greedy choices: with f32/f16 files every row's argmax agrees with the CPU's; with quantized
 /// ones a row may pick another token only where the CPU saw a near tie, its two candidates within
 /// 1% of the largest logit (`check_forward::NEAR_TIE`, a quarter of the tolerance; measured
@@ -122,6 +127,57 @@ fn gemma3_q5_0_geglu_norms_windows() {
         "gemma3 f32",
         1e-3,
     );
+}
+
+/// A quantized KV cache on both backends (`--cache-type-k/-v`): the CUDA kernels store the CPU's
+/// blocks (rotated, ggml's reference rounding) and read them in place, through the tiled prefill
+/// (the 40-token prompt) and split-KV decoding (the 3 steps). Gemma 3's heads are one 32-value
+/// block (q/k norms, sliding windows); the synthetic llama's are two, with K and V of different
+/// types (see [`QUANT_CACHE_TOL`]).
+#[test]
+fn quantized_kv_cache_matches_the_cpu() {
+    use infer::model::backend::{CacheType, KvType};
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 500).collect();
+    // Names of their own: the other tests convert the same sources at the same time.
+    let gemma_q5 = convert(&fixture("gemma3"), "gemma3-kv", "q5_0");
+    let gemma_f32 = convert(&fixture("gemma3"), "gemma3-kv", "f32");
+    let llama = convert(&synthetic_llama_256(), "llama-256-kv", "f16");
+    let (q8, q4, f16) = (CacheType::Q8_0, CacheType::Q4_0, CacheType::F16);
+    for (path, what, k, v, tol) in [
+        (
+            &gemma_q5,
+            "gemma3 q5_0, q8_0/q8_0 cache",
+            q8,
+            q8,
+            QUANTIZED_TOL,
+        ),
+        (
+            &gemma_f32,
+            "gemma3 f32, q4_0/q4_0 cache",
+            q4,
+            q4,
+            QUANTIZED_TOL,
+        ),
+        (
+            &llama,
+            "llama-256 f16, q8_0/f16 cache",
+            q8,
+            f16,
+            QUANT_CACHE_TOL,
+        ),
+        (
+            &llama,
+            "llama-256 f16, f16/q8_0 cache",
+            f16,
+            q8,
+            QUANT_CACHE_TOL,
+        ),
+    ] {
+        let kv = KvType::of(k, v);
+        let r =
+            check_forward::forward_with_cache(cuda_emu::emulator(), path, &prompt, 3, kv).unwrap();
+        report(r, what, tol);
+    }
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! Every CUDA kernel, run on the CPU emulator, against the crate's scalar reference
 //! (`infer::check::cuda_kernels`: the same checks `infer selftest --device cuda` runs on a GPU),
 //! plus the emulator's own guarantees: a divergent warp shuffle and a mismatched barrier are
-//! reported with their source line instead of passing silently.
+//! reported with their source line instead of passing silently; and the CUDA backend's
+//! host-side copies of a quantized KV cache's blocks.
 
 mod cuda_emu;
 
@@ -83,4 +84,49 @@ fn device_sampler_picks_the_cpu_samplers_tokens() {
         .map(|c| format!("{}: {} wrong", c.shape, c.err))
         .collect();
     assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// A quantized cache's planes hold rows of their own types (K q8_0: 68 bytes for 64 values, V
+/// q4_0: 36): copy-on-write copies whole blocks of those rows in every layer and nothing else,
+/// and heads that are not whole 32-value blocks are refused with the alternative named.
+#[test]
+fn quantized_kv_blocks_copy_in_their_row_sizes() {
+    use infer::kernels::cuda::backend::CudaBackend;
+    use infer::model::backend::{Backend, CacheType, KvType};
+    let be = CudaBackend::new(cuda_emu::emulator());
+    let (layers, blocks, bs, kv_dim) = (2, 4, 16, 64);
+    let ty = KvType::of(CacheType::Q8_0, CacheType::Q4_0);
+    let mut kv = be.alloc_kv(layers, blocks, bs, kv_dim, 32, ty).unwrap();
+    assert_eq!(kv.row_bytes(), (68, 36));
+    let planes = |kv: &infer::kernels::cuda::backend::CudaKv| -> Vec<Vec<u8>> {
+        kv.k.iter()
+            .chain(kv.v.iter())
+            .map(|p| p.to_bytes().unwrap())
+            .collect()
+    };
+    for (i, p) in kv.k.iter().chain(kv.v.iter()).enumerate() {
+        assert_eq!(p.bytes, blocks * bs * if i < layers { 68 } else { 36 });
+        let fill: Vec<u8> = (0..p.bytes).map(|b| (b * 7 + i * 31) as u8).collect();
+        be.launcher().upload(p.ptr, &fill).unwrap();
+    }
+    let before = planes(&kv);
+    be.kv_copy_blocks(&mut kv, &[(1, 3)]);
+    for (i, (old, new)) in before.iter().zip(planes(&kv)).enumerate() {
+        let n = bs * if i < layers { 68 } else { 36 };
+        let mut want = old.clone();
+        want.copy_within(n..2 * n, 3 * n);
+        assert!(
+            new == want,
+            "plane {i}: block 3 is not block 1, or more was written"
+        );
+    }
+    let e = be
+        .alloc_kv(1, 1, bs, 48, 16, ty)
+        .err()
+        .expect("16-value heads refused")
+        .to_string();
+    assert!(
+        e.contains("whole 32-value blocks") && e.contains("f16"),
+        "{e}"
+    );
 }

@@ -17,6 +17,7 @@ use crate::kernels::cpu::backend::CpuBackend;
 use crate::kernels::cuda::backend::CudaBackend;
 use crate::kernels::cuda::launch::{Arg, Launch};
 use crate::kernels::device::DeviceBackend;
+use crate::model::backend::KvType;
 use crate::model::{Backend, Model, ModelConfig, Weights};
 
 #[derive(Clone, Debug)]
@@ -38,7 +39,20 @@ pub struct ForwardCheck {
 }
 
 fn runner<B: Backend>(g: &Arc<Gguf>, backend: B, n_ctx: usize) -> Result<Runner<B>> {
-    let cfg = ModelConfig::from_gguf(g)?;
+    runner_with(g, backend, n_ctx, None)
+}
+
+/// [`runner`] with the KV cache in `kv` instead of the model's own type.
+fn runner_with<B: Backend>(
+    g: &Arc<Gguf>,
+    backend: B,
+    n_ctx: usize,
+    kv: Option<KvType>,
+) -> Result<Runner<B>> {
+    let mut cfg = ModelConfig::from_gguf(g)?;
+    if let Some(kv) = kv {
+        cfg.kv_type = kv;
+    }
     let weights = Weights::load(g, &cfg, &backend)?;
     let model = Model {
         cfg,
@@ -92,7 +106,19 @@ pub fn forward(
     prompt: &[u32],
     steps: usize,
 ) -> Result<ForwardCheck> {
-    compare(path, prompt, steps, |_| Ok(CudaBackend::new(l)))
+    compare(path, prompt, steps, None, |_| Ok(CudaBackend::new(l)))
+}
+
+/// [`forward`] with the KV cache of both backends in `kv` (`--cache-type-k/-v`: a quantized
+/// cache, which each backend stores in the same blocks).
+pub fn forward_with_cache(
+    l: Arc<dyn Launch>,
+    path: &Path,
+    prompt: &[u32],
+    steps: usize,
+    kv: KvType,
+) -> Result<ForwardCheck> {
+    compare(path, prompt, steps, Some(kv), |_| Ok(CudaBackend::new(l)))
 }
 
 /// The same with only the first `gpu_layers` layers on CUDA and the rest on the CPU
@@ -104,7 +130,7 @@ pub fn forward_split(
     steps: usize,
     gpu_layers: usize,
 ) -> Result<ForwardCheck> {
-    compare(path, prompt, steps, |cfg| {
+    compare(path, prompt, steps, None, |cfg| {
         let cuda = CudaBackend::new(l);
         Ok(DeviceBackend::hybrid(
             CpuBackend::new(2),
@@ -168,16 +194,17 @@ fn compare<B: Backend>(
     path: &Path,
     prompt: &[u32],
     steps: usize,
+    kv: Option<KvType>,
     make: impl FnOnce(&ModelConfig) -> Result<B>,
 ) -> Result<ForwardCheck> {
     let g = Arc::new(Gguf::open(path).with_context(|| format!("reading {}", path.display()))?);
     let n_ctx = (prompt.len() + steps + 1).next_multiple_of(BLOCK_SIZE);
-    let mut cpu = runner(&g, CpuBackend::new(2), n_ctx)?;
+    let mut cpu = runner_with(&g, CpuBackend::new(2), n_ctx, kv)?;
     let t = Instant::now();
     let (want, tokens) = run(&mut cpu, prompt, steps, None)?;
     let cpu_secs = t.elapsed().as_secs_f64();
     let backend = make(&ModelConfig::from_gguf(&g)?)?;
-    let mut gpu = runner(&g, backend, n_ctx)?;
+    let mut gpu = runner_with(&g, backend, n_ctx, kv)?;
     let t = Instant::now();
     let (got, _) = run(&mut gpu, prompt, steps, Some(&tokens))?;
     // Reading the logits back waited for every kernel.

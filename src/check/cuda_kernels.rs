@@ -133,6 +133,7 @@ pub fn run_all(l: &Arc<dyn Launch>) -> Result<Vec<Check>> {
     top_k(&mut c)?;
     super::cuda_fused::fused(l, &mut c.out)?;
     super::cuda_attention::attention(l, &mut c.out)?;
+    super::cuda_quant_cache::quant_cache(l, &mut c.out)?;
     super::cuda_sample::sample(l, &[1531], 50, &mut c.out)?;
     super::cuda_sample::sample(l, &[151_936], 8, &mut c.out)?;
     Ok(c.out)

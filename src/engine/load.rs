@@ -200,14 +200,6 @@ fn device_backend(
         return Ok(DeviceBackend::cpu_only(cpu));
     }
     let driver = match driver::probe() {
-        Ok(_) if matches!(cfg.kv_type, KvType::Quant { .. }) => {
-            return Err(CacheTypeError(format!(
-                "a {} KV cache runs on the CPU only so far (the CUDA attention kernels read f16); \
-                 add --device cpu, or leave --cache-type-k/--cache-type-v at f16",
-                cfg.kv_type.name()
-            ))
-            .into())
-        }
         Ok(d) => d,
         Err(e) if device == Some(Device::Cuda) => {
             bail!("--device cuda: no usable CUDA device: {e:#} (use --device cpu or auto)")
@@ -221,10 +213,16 @@ fn device_backend(
     };
     let n_layer = cfg.n_layer;
     let want = opts.gpu_layers.unwrap_or(n_layer).min(n_layer);
-    let p = vram::plan(g, n_layer, want, n_ctx, cfg.kv_dim());
+    // The GPU keeps an f32 model's cache in f16.
+    let kv_row = match cfg.kv_type {
+        KvType::F32 => KvType::F16,
+        t => t,
+    }
+    .row_bytes(cfg.kv_dim());
+    let p = vram::plan(g, n_layer, want, n_ctx, kv_row);
     if let Some((free, _)) = driver.mem_info() {
         if p.total() > free as u64 {
-            let fit = vram::layers_that_fit(g, n_layer, n_ctx, cfg.kv_dim(), free as u64);
+            let fit = vram::layers_that_fit(g, n_layer, n_ctx, kv_row, free as u64);
             bail!(
                 "{want} of {n_layer} layers on {} need {} of GPU memory (weights {}, KV cache {} \
                  for context {n_ctx}, {} working space) but {} is free; use --gpu-layers {fit} \

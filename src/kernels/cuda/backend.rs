@@ -1,11 +1,12 @@
 //! `model::Backend` on a CUDA device (or the emulator): weights uploaded once as stored
 //! (quantized; types without a kernel are dequantized to f16 at load), activations as device f32
-//! matrices, the paged KV cache as f16 device blocks (also for `KvType::F32` models). The host side
-//! only sequences kernels (`ops`) through a [`Launch`]; small per-call tables (token ids,
-//! positions, KV slots, block tables) are uploaded per call. Errors inside an op cannot be returned
-//! through the `Backend` trait and end the process with a message naming the op (a launch fails
-//! only for a lost device or a bug). The steps of several kernels (matmuls, the fused sublayer
-//! paths) are in `sublayers.rs`.
+//! matrices, the paged KV cache as f16 device blocks (also for `KvType::F32` models), or K and V
+//! each in its `--cache-type` (ggml q8_0/q4_0 blocks of rotated values, as the CPU stores them,
+//! read in place by the `_q` attention kernels). The host side only sequences kernels (`ops`)
+//! through a [`Launch`]; small per-call tables (token ids, positions, KV slots, block tables) are
+//! uploaded per call. Errors inside an op cannot be returned through the `Backend` trait and end
+//! the process with a message naming the op (a launch fails only for a lost device or a bug). The
+//! steps of several kernels (matmuls, the fused sublayer paths) are in `sublayers.rs`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -19,7 +20,7 @@ use super::sublayers::Q8Ready;
 use crate::format::GgmlType;
 use crate::model::backend::{
     attention_block_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend,
-    DeviceSampler, DeviceSampling, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+    CacheType, DeviceSampler, DeviceSampling, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -46,6 +47,23 @@ pub struct CudaKv {
     pub v: Vec<DevBuf>,
     pub block_size: usize,
     pub kv_dim: usize,
+    /// The types of K's and V's rows (f16 unless the cache is `KvType::Quant`).
+    pub k_type: CacheType,
+    pub v_type: CacheType,
+}
+
+impl CudaKv {
+    /// Bytes of one slot's K row and V row.
+    pub fn row_bytes(&self) -> (usize, usize) {
+        (
+            self.k_type.row_bytes(self.kv_dim),
+            self.v_type.row_bytes(self.kv_dim),
+        )
+    }
+
+    fn quantized(&self) -> bool {
+        self.k_type.is_quantized() || self.v_type.is_quantized()
+    }
 }
 
 pub struct CudaBackend {
@@ -222,26 +240,34 @@ impl Backend for CudaBackend {
         head_dim: usize,
         kv_type: KvType,
     ) -> Result<CudaKv> {
-        let _ = head_dim;
-        if let KvType::Quant { .. } = kv_type {
-            bail!(
-                "the CUDA kernels read an f16 KV cache only; a {} cache runs on the CPU \
-                 (--device cpu)",
-                kv_type.name()
-            );
-        }
-        let bytes = n_blocks * block_size * kv_dim * 2;
+        let (k_type, v_type) = match kv_type {
+            KvType::Quant { k, v } => {
+                if !head_dim.is_multiple_of(32) || !kv_dim.is_multiple_of(head_dim) {
+                    bail!(
+                        "a {} KV cache needs heads of whole 32-value blocks, not {head_dim} \
+                         (use --cache-type-k f16 --cache-type-v f16)",
+                        kv_type.name()
+                    );
+                }
+                (k, v)
+            }
+            KvType::F16 | KvType::F32 => (CacheType::F16, CacheType::F16),
+        };
+        let slots = n_blocks * block_size;
+        let (kb, vb) = (k_type.row_bytes(kv_dim), v_type.row_bytes(kv_dim));
         let mut k = Vec::with_capacity(n_layer);
         let mut v = Vec::with_capacity(n_layer);
         for _ in 0..n_layer {
-            k.push(DevBuf::new(&self.l, bytes)?);
-            v.push(DevBuf::new(&self.l, bytes)?);
+            k.push(DevBuf::new(&self.l, slots * kb)?);
+            v.push(DevBuf::new(&self.l, slots * vb)?);
         }
         Ok(CudaKv {
             k,
             v,
             block_size,
             kv_dim,
+            k_type,
+            v_type,
         })
     }
 
@@ -423,12 +449,16 @@ impl Backend for CudaBackend {
 
     fn kv_copy_blocks(&self, kv: &mut CudaKv, pairs: &[(u32, u32)]) {
         // Through the host: copy-on-write is rare (a forked or cache-shared partial block), and
-        // the launch interface has no device-to-device copy.
-        let n = kv.block_size * kv.kv_dim * 2;
-        let mut buf = vec![0u8; n];
-        for &(from, to) in pairs {
-            let (from, to) = (from as u64 * n as u64, to as u64 * n as u64);
-            for plane in kv.k.iter().chain(kv.v.iter()) {
+        // the launch interface has no device-to-device copy. A block of a plane is block_size rows
+        // of its type (quantized rows included: bytes are bytes).
+        let (kb, vb) = kv.row_bytes();
+        let planes = (kv.k.iter().map(|p| (p, kb))).chain(kv.v.iter().map(|p| (p, vb)));
+        let mut buf = Vec::new();
+        for (plane, row) in planes {
+            let n = kv.block_size * row;
+            buf.resize(n, 0u8);
+            for &(from, to) in pairs {
+                let (from, to) = (from as u64 * n as u64, to as u64 * n as u64);
                 ok(
                     "kv_copy_blocks",
                     self.l
@@ -445,14 +475,14 @@ impl Backend for CudaBackend {
             (|| {
                 let s = self.ints(&i32s(slots.iter().copied()))?;
                 let caches = (kv.k[layer].ptr, kv.v[layer].ptr);
-                ops::kv_write(
-                    self.l(),
-                    caches,
-                    (k.buf.ptr, v.buf.ptr),
-                    s,
-                    slots.len(),
-                    kv.kv_dim,
-                )
+                let (rows, n) = ((k.buf.ptr, v.buf.ptr), slots.len());
+                match kv.quantized() {
+                    true => {
+                        let types = (kv.k_type, kv.v_type);
+                        ops::kv_write_q(self.l(), caches, rows, s, n, kv.kv_dim, types)
+                    }
+                    false => ops::kv_write(self.l(), caches, rows, s, n, kv.kv_dim),
+                }
             })(),
         )
     }

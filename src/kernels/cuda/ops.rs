@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 
 use super::launch::{Arg, Launch};
 use crate::format::GgmlType;
-use crate::model::backend::{DeviceSampling, HeadCopy, DEVICE_SAMPLE_MAX_K};
+use crate::model::backend::{CacheType, DeviceSampling, HeadCopy, DEVICE_SAMPLE_MAX_K};
 use crate::model::config::{Activation, RopeStyle};
 
 /// Keys per split of the attention kernel (`ATTN_SPLIT` in attention.cu).
@@ -24,6 +24,24 @@ fn grid1(n: usize, per_block: usize) -> [u32; 3] {
 
 fn i32a(v: usize) -> Arg {
     Arg::I32(v as i32)
+}
+
+/// A cache type as the kernels name it (`CACHE_*` in common.cuh).
+fn cache_arg(t: CacheType) -> Arg {
+    Arg::I32(match t {
+        CacheType::F16 => 0,
+        CacheType::Q8_0 => 1,
+        CacheType::Q4_0 => 2,
+    })
+}
+
+/// A quantized cache's kernels take heads of whole 32-value blocks.
+fn check_cache_heads(types: (CacheType, CacheType), head_dim: usize) -> Result<()> {
+    let quantized = types.0.is_quantized() || types.1.is_quantized();
+    if quantized && !head_dim.is_multiple_of(32) {
+        bail!("a quantized KV cache needs heads of whole 32-value blocks, not {head_dim}");
+    }
+    Ok(())
 }
 
 /// The GEMV kernel of a weight type, and whether it takes q8_1 activations (else f32).
@@ -325,12 +343,28 @@ pub struct RopeKv {
 /// i32 `slots` (k is not written). `pos`: device i32 per row.
 pub fn rope_kv(
     l: &dyn Launch,
+    qkv: (u64, u64, u64),
+    caches: (u64, u64),
+    idx: (u64, u64),
+    rows: usize,
+    r: &RopeKv,
+) -> Result<()> {
+    let f16 = (CacheType::F16, CacheType::F16);
+    rope_kv_typed(l, qkv, caches, f16, idx, rows, r)
+}
+
+/// [`rope_kv`] into caches whose K and V rows are of `types` (a quantized side's rows are
+/// rotated and rounded to ggml blocks, as the CPU's `quant_cache.rs` stores them).
+pub fn rope_kv_typed(
+    l: &dyn Launch,
     (q, k, v): (u64, u64, u64),
     (kc, vc): (u64, u64),
+    types: (CacheType, CacheType),
     (slots, pos): (u64, u64),
     rows: usize,
     r: &RopeKv,
 ) -> Result<()> {
+    check_cache_heads(types, r.head_dim)?;
     if !r.head_dim.is_multiple_of(2) || r.head_dim > ATTN_MAX_HD {
         bail!(
             "rope_kv: head_dim {} (even, at most {ATTN_MAX_HD})",
@@ -356,6 +390,8 @@ pub fn rope_kv(
         Arg::I32((r.style == RopeStyle::Neox) as i32),
         Arg::F32(r.q_scale),
         Arg::F32(r.eps),
+        cache_arg(types.0),
+        cache_arg(types.1),
     ];
     let grid = [rows as u32, (r.n_head + r.n_head_kv) as u32, 1];
     l.launch("rope_kv", grid, [128, 1, 1], &args)
@@ -491,6 +527,31 @@ pub fn kv_write(
     l.launch("kv_write", [n as u32, 1, 1], [256, 1, 1], &args)
 }
 
+/// Rows of k and v (`n × kv_dim` f32, kv_dim a multiple of 32) into caches whose K and V rows
+/// are of `types` at device i32 `slots` (a quantized side rotated and rounded to ggml blocks).
+pub fn kv_write_q(
+    l: &dyn Launch,
+    (kc, vc): (u64, u64),
+    (k, v): (u64, u64),
+    slots: u64,
+    n: usize,
+    kv_dim: usize,
+    types: (CacheType, CacheType),
+) -> Result<()> {
+    check_cache_heads(types, kv_dim)?;
+    let args = [
+        Arg::Ptr(kc),
+        Arg::Ptr(vc),
+        Arg::Ptr(k),
+        Arg::Ptr(v),
+        Arg::Ptr(slots),
+        i32a(kv_dim),
+        cache_arg(types.0),
+        cache_arg(types.1),
+    ];
+    l.launch("kv_write_q", [n as u32, 1, 1], [128, 1, 1], &args)
+}
+
 /// Index of the largest value of each of `rows` rows (device i32 out).
 pub fn argmax(l: &dyn Launch, x: u64, out: u64, rows: usize, cols: usize) -> Result<()> {
     let args = [Arg::Ptr(x), Arg::Ptr(out), i32a(cols)];
@@ -583,6 +644,10 @@ pub struct AttnArgs {
     pub head_dim: usize,
     pub block_size: usize,
     pub kv_dim: usize,
+    /// The types of the cache's K and V rows: both f16 for the f16 kernels, else the `_q` ones
+    /// (`attn_split_q`, `attn_prefill_q`) read the blocks in place.
+    pub k_type: CacheType,
+    pub v_type: CacheType,
     pub scale: f32,
     /// Splits per query: ceil(longest visible key range / ATTN_SPLIT).
     pub n_split: usize,
@@ -617,11 +682,18 @@ fn check_attn_shape(a: &AttnArgs) -> Result<()> {
             a.head_dim
         );
     }
-    Ok(())
+    check_cache_heads((a.k_type, a.v_type), a.head_dim)
+}
+
+impl AttnArgs {
+    /// Whether the cache holds quantized rows (the `_q` kernels).
+    fn quantized(&self) -> bool {
+        self.k_type.is_quantized() || self.v_type.is_quantized()
+    }
 }
 
 fn attention_split(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
-    let args = [
+    let mut args = vec![
         Arg::Ptr(a.q),
         Arg::Ptr(a.k_cache),
         Arg::Ptr(a.v_cache),
@@ -639,7 +711,14 @@ fn attention_split(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
         Arg::Ptr(a.q8),
     ];
     let grid = [a.n_q as u32, a.n_head_kv as u32, a.n_split as u32];
-    l.launch("attn_split", grid, [128, 1, 1], &args)?;
+    let kernel = match a.quantized() {
+        true => {
+            args.extend([cache_arg(a.k_type), cache_arg(a.v_type)]);
+            "attn_split_q"
+        }
+        false => "attn_split",
+    };
+    l.launch(kernel, grid, [128, 1, 1], &args)?;
     if a.n_split == 1 {
         return Ok(()); // attn_split wrote the output
     }
@@ -681,7 +760,7 @@ pub fn prefill_tiles(n_q: usize, same_seq: impl Fn(usize, usize) -> bool) -> Vec
 /// [`prefill_tiles`] on the device.
 pub fn attention_prefill(l: &dyn Launch, a: &AttnArgs, tiles: u64, n_tiles: usize) -> Result<()> {
     check_attn_shape(a)?;
-    let args = [
+    let mut args = vec![
         Arg::Ptr(a.q),
         Arg::Ptr(a.k_cache),
         Arg::Ptr(a.v_cache),
@@ -697,5 +776,12 @@ pub fn attention_prefill(l: &dyn Launch, a: &AttnArgs, tiles: u64, n_tiles: usiz
         Arg::F32(a.scale),
     ];
     let grid = [n_tiles as u32, a.n_head as u32, 1];
-    l.launch("attn_prefill", grid, [128, 1, 1], &args)
+    let kernel = match a.quantized() {
+        true => {
+            args.extend([cache_arg(a.k_type), cache_arg(a.v_type)]);
+            "attn_prefill_q"
+        }
+        false => "attn_prefill",
+    };
+    l.launch(kernel, grid, [128, 1, 1], &args)
 }

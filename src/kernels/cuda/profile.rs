@@ -116,10 +116,16 @@ pub fn launch_bytes(t: &Timed) -> Option<u64> {
             Some(n * 4 * 3 + q8(n))
         }
         "rope_kv" => {
-            // q read and written (f32), k and v read (f32) and written to the caches (f16)
+            // q read and written (f32), k and v read (f32) and written to the caches in their
+            // types (k_type, v_type: f16, or q8_0/q4_0 blocks)
             let (nh, nkv, hd) = (int(a, 10)?, int(a, 11)?, int(a, 12)?);
             let rows = t.grid[0] as u64;
-            Some(rows * (nh * hd * 8 + nkv * hd * (8 + 4)))
+            let stored = |i: usize| match int(a, i) {
+                Some(1) => hd / 32 * 34,
+                Some(2) => hd / 32 * 18,
+                _ => hd * 2,
+            };
+            Some(rows * (nh * hd * 8 + nkv * (hd * 8 + stored(17) + stored(18))))
         }
         _ => None,
     }

@@ -153,7 +153,7 @@ impl CudaBackend {
 
     /// [`Backend::attention_block`] in four steps: the Q/K/V products (one quantize of h, if
     /// the norm before did not leave it quantized already), `rope_kv` (q/k norms, RoPE, q's
-    /// scale and the KV write in one kernel), attention, and the output product.
+    /// scale and the KV write, in the cache's types, in one kernel), attention, and the output product.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn try_attention_block(
         &self,
@@ -188,10 +188,11 @@ impl CudaBackend {
         };
         let slots = self.ints(&i32s(batch.slots.iter().copied()))?;
         let pos = self.ints(&i32s(batch.positions.iter().map(|&p| p as usize)))?;
-        ops::rope_kv(
+        ops::rope_kv_typed(
             self.l(),
             (s.q.buf.ptr, s.k.buf.ptr, s.v.buf.ptr),
             (kv.k[layer].ptr, kv.v[layer].ptr),
+            (kv.k_type, kv.v_type),
             (slots, pos),
             s.q.rows,
             &r,
@@ -243,6 +244,8 @@ impl CudaBackend {
             head_dim: shape.head_dim,
             block_size: kv.block_size,
             kv_dim: kv.kv_dim,
+            k_type: kv.k_type,
+            v_type: kv.v_type,
             scale: shape.scale,
             n_split,
         };

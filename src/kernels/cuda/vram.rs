@@ -1,7 +1,7 @@
 //! How much GPU memory a model needs with its first `gpu_layers` layers on the GPU, and how many
 //! layers fit in a given amount: weights as the CUDA backend stores them (as in the file; f16 for
-//! types without a kernel), the f16 KV cache of those layers, and a margin for activations and
-//! scratch. Used by the CLI to refuse a load with a clear message instead of failing midway.
+//! types without a kernel), the KV cache of those layers in its types (f16, or q8_0/q4_0 blocks
+//! per `--cache-type-k/-v`), and a margin for activations and scratch. Used by the CLI to refuse a load with a clear message instead of failing midway.
 
 use crate::format::{Gguf, TensorInfo};
 
@@ -34,8 +34,16 @@ fn stored_bytes(t: &TensorInfo) -> u64 {
 }
 
 /// The plan for layers `0..gpu_layers` of an `n_layer` model (the embedding table and output
-/// head count only when every layer is on the GPU, as `DeviceBackend` places them).
-pub fn plan(g: &Gguf, n_layer: usize, gpu_layers: usize, n_ctx: usize, kv_dim: usize) -> VramPlan {
+/// head count only when every layer is on the GPU, as `DeviceBackend` places them), whose cache
+/// stores `kv_row` bytes (K row, V row) per position and layer (`KvType::row_bytes`; an f32
+/// model's cache is f16 on the GPU).
+pub fn plan(
+    g: &Gguf,
+    n_layer: usize,
+    gpu_layers: usize,
+    n_ctx: usize,
+    kv_row: (usize, usize),
+) -> VramPlan {
     let gpu_layers = gpu_layers.min(n_layer);
     let weights = g
         .tensors
@@ -46,15 +54,21 @@ pub fn plan(g: &Gguf, n_layer: usize, gpu_layers: usize, n_ctx: usize, kv_dim: u
         })
         .map(stored_bytes)
         .sum();
-    let kv = (gpu_layers * n_ctx * kv_dim * 2 * 2) as u64;
+    let kv = (gpu_layers * n_ctx * (kv_row.0 + kv_row.1)) as u64;
     VramPlan { weights, kv }
 }
 
 /// The most layers whose plan fits in `free` bytes.
-pub fn layers_that_fit(g: &Gguf, n_layer: usize, n_ctx: usize, kv_dim: usize, free: u64) -> usize {
+pub fn layers_that_fit(
+    g: &Gguf,
+    n_layer: usize,
+    n_ctx: usize,
+    kv_row: (usize, usize),
+    free: u64,
+) -> usize {
     (0..=n_layer)
         .rev()
-        .find(|&k| plan(g, n_layer, k, n_ctx, kv_dim).total() <= free)
+        .find(|&k| plan(g, n_layer, k, n_ctx, kv_row).total() <= free)
         .unwrap_or(0)
 }
 
@@ -100,23 +114,41 @@ mod tests {
         Gguf::from_bytes(w.to_bytes()).unwrap()
     }
 
+    /// The rows of a 64-wide f16 cache.
+    const F16: (usize, usize) = (128, 128);
+
     #[test]
     fn plan_counts_gpu_layers_and_the_head_only_with_every_layer() {
         let g = model();
         let layer = 69_632 + 131_072;
-        assert_eq!(plan(&g, 2, 0, 100, 64), VramPlan { weights: 0, kv: 0 });
+        assert_eq!(plan(&g, 2, 0, 100, F16), VramPlan { weights: 0, kv: 0 });
         assert_eq!(
-            plan(&g, 2, 1, 100, 64),
+            plan(&g, 2, 1, 100, F16),
             VramPlan {
                 weights: layer,
                 kv: 100 * 64 * 4
             }
         );
-        assert_eq!(plan(&g, 2, 2, 100, 64).weights, 2 * layer + 512_000);
-        assert_eq!(plan(&g, 2, 9, 100, 64), plan(&g, 2, 2, 100, 64));
-        let one = plan(&g, 2, 1, 100, 64).total();
-        assert_eq!(layers_that_fit(&g, 2, 100, 64, one), 1);
-        assert_eq!(layers_that_fit(&g, 2, 100, 64, one - 1), 0);
-        assert_eq!(layers_that_fit(&g, 2, 100, 64, u64::MAX), 2);
+        assert_eq!(plan(&g, 2, 2, 100, F16).weights, 2 * layer + 512_000);
+        assert_eq!(plan(&g, 2, 9, 100, F16), plan(&g, 2, 2, 100, F16));
+        let one = plan(&g, 2, 1, 100, F16).total();
+        assert_eq!(layers_that_fit(&g, 2, 100, F16, one), 1);
+        assert_eq!(layers_that_fit(&g, 2, 100, F16, one - 1), 0);
+        assert_eq!(layers_that_fit(&g, 2, 100, F16, u64::MAX), 2);
+    }
+
+    /// A quantized cache counts its blocks' bytes: 64 values are 68 bytes in q8_0, 36 in q4_0.
+    #[test]
+    fn plan_counts_the_quantized_cache_in_its_blocks() {
+        use crate::model::backend::{CacheType, KvType};
+        let g = model();
+        for (k, v, per_pos) in [
+            (CacheType::Q8_0, CacheType::Q8_0, 136),
+            (CacheType::Q4_0, CacheType::Q4_0, 72),
+            (CacheType::Q8_0, CacheType::F16, 68 + 128),
+        ] {
+            let row = KvType::of(k, v).row_bytes(64);
+            assert_eq!(plan(&g, 2, 2, 100, row).kv, 2 * 100 * per_pos);
+        }
     }
 }
