@@ -107,10 +107,10 @@ struct Q4_K : Blocked<Q4_K> {
 ///   scales nb × 16 bytes at 192 nb    the file's int8 scales, reordered: byte 8 n + 4 h + t is
 ///                                     scales[8 n + 2 t + h] (so a lane's four are one int)
 ///   d      nb × 2 bytes at 208 nb     the f16 super-block scales, then zeros to a multiple of 16
-/// Value 128 n + 32 t + 16 h + i of a block (n, h in 0..1, t in 0..3, i in 0..15) is
-/// (ql[64 n + 32 (t & 1) + 16 h + i] >> 4 (t >> 1) & 15 | (qh[32 n + 16 h + i] >> 2 t & 3) << 4) - 32
-/// times d · scales[8 n + 2 t + h], as in ggml's layout. The sub-block loader (GEMM, embedding
-/// lookup, multi-matrix GEMV) unpacks the very same bytes as the file's loader did.
+/// Value 128 n + 32 t + 16 h + i of a block (n, h in 0..1, t in 0..3, i in 0..15) is q - 32 times
+/// d · scales[8 n + 2 t + h], where q's low 4 bits are ql[64 n + 32 (t & 1) + 16 h + i] >> 4 (t >> 1)
+/// and its high 2 bits qh[32 n + 16 h + i] >> 2 t, as in ggml's layout. The sub-block loader
+/// (GEMM, embedding lookup) unpacks the very same bytes as the file's loader did.
 struct Q6_K {
   static constexpr int ELEMS = QK_K, SUB = 8;
   __device__ __forceinline__ static size_t row_bytes(int cols) {
