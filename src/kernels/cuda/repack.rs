@@ -37,13 +37,15 @@ pub fn row_bytes(ty: GgmlType, cols: usize) -> Option<usize> {
     })
 }
 
-/// A `cols`-wide matrix of `ty` in the file's bytes, as the kernels read it on the device.
+/// A `cols`-wide matrix of `ty` in the file's bytes, as the kernels read it on the device (the
+/// bytes as they are where rows of that width do not exist: the caller's shape check refuses them).
 pub fn to_device(ty: GgmlType, cols: usize, bytes: &[u8]) -> Cow<'_, [u8]> {
-    if ty != GgmlType::Q6K || cols == 0 {
-        return Cow::Borrowed(bytes);
-    }
     let nb = cols / 256;
-    let (src_row, dst_row) = (nb * Q6_K_BLOCK, row_bytes(ty, cols).unwrap_or(0));
+    let dst_row = match row_bytes(ty, cols) {
+        Some(b) if ty == GgmlType::Q6K && nb > 0 => b,
+        _ => return Cow::Borrowed(bytes),
+    };
+    let src_row = nb * Q6_K_BLOCK;
     let mut out = vec![0u8; bytes.len() / src_row * dst_row];
     for (src, dst) in bytes
         .chunks_exact(src_row)
@@ -111,6 +113,10 @@ mod tests {
         assert_eq!(row_bytes(GgmlType::Q4K, 1536), Some(864));
         assert!(matches!(
             to_device(GgmlType::Q4K, 256, &[0; 144]),
+            Cow::Borrowed(_)
+        ));
+        assert!(matches!(
+            to_device(GgmlType::Q6K, 100, &[0; 10]),
             Cow::Borrowed(_)
         ));
     }
