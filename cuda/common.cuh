@@ -32,7 +32,8 @@ typedef unsigned long long uint64_t;
 // q5_0: half d, uint8 qh[4], uint8 qs[16]                  22
 // q8_0: half d, int8 qs[32]                                34
 // q4_K: half d, half dmin, uint8 scales[12], uint8 qs[128] 144
-// q6_K: uint8 ql[128], uint8 qh[64], int8 scales[16], half d 210
+// q6_K: uint8 ql[128], uint8 qh[64], int8 scales[16], half d 210 (in the file; repacked into
+//       16-byte-aligned planes per row on the device, see Q6_K in gemv.cu)
 #define Q8_1_BYTES 36
 #define Q4_0_BYTES 18
 #define Q5_0_BYTES 22
@@ -94,7 +95,7 @@ __device__ __forceinline__ void mma_s8_16816(int (&c)[4], int a0, int a1, int b)
 #endif
 }
 
-/// Reads 4 bytes at a 2-byte-aligned address (ggml rows of Q4_0/Q5_0/Q8_0/Q6_K are 2-aligned).
+/// Reads 4 bytes at a 2-byte-aligned address (ggml rows of Q4_0/Q5_0/Q8_0 are 2-aligned).
 __device__ __forceinline__ int load_i32_a2(const uint8_t* p) {
   const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
   return (int)((uint32_t)h[0] | ((uint32_t)h[1] << 16));

@@ -1,7 +1,8 @@
 // Prefill matmul on the integer tensor cores: out[t][r] = sum over 32-value sub-blocks of
 // (weight sub-block · q8_1 activation block), for many tokens at once. The weight sub-blocks are
-// unpacked to signed bytes by the very `Sub` loaders of the GEMV (gemv.cu), so the int8 quants and
-// scales are the same; only the dot products move from `dp4a` to `mma_s8_16816` (common.cuh).
+// unpacked to signed bytes by the very `Sub` loaders of the GEMV (gemv.cu, on each type's device
+// rows: Q6_K's repacked at upload), so the int8 quants and scales are the same; only the dot
+// products move from `dp4a` to `mma_s8_16816` (common.cuh).
 //
 // Tiling: a CTA of 4 warps (block of 128) takes GEMM_M weight rows × GEMM_N tokens; every
 // GEMM_KS sub-blocks it stages the unpacked weight bytes (with each sub-block's scales) and the
@@ -51,7 +52,7 @@ __device__ __forceinline__ void gemm_q(const uint8_t* __restrict__ w, const uint
   const int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;  // this warp's quarter of the tile
   const int r0 = blockIdx.x * GEMM_M, t0 = blockIdx.y * GEMM_N;
   const int nsub = cols / 32;
-  const size_t row_bytes = (size_t)(cols / T::ELEMS) * T::BYTES;
+  const size_t row_bytes = T::row_bytes(cols);
 
   float acc[2][4][4];  // [m tile][n tile][fragment element]
 #pragma unroll
@@ -72,7 +73,7 @@ __device__ __forceinline__ void gemm_q(const uint8_t* __restrict__ w, const uint
       Sub u;
       if (r0 + r < rows) {
         const int s = s0 + k;
-        T::load(w + (size_t)(r0 + r) * row_bytes + (s / T::SUB) * T::BYTES, s % T::SUB, u);
+        T::load_sub(w + (size_t)(r0 + r) * row_bytes, cols, s, u);
       } else {
 #pragma unroll
         for (int j = 0; j < 8; j++) u.q[j] = 0;

@@ -15,7 +15,7 @@ use half::f16;
 use crate::format::GgmlType;
 use crate::kernels::cpu::ops as cpu;
 use crate::kernels::cuda::launch::{DevBuf, Launch};
-use crate::kernels::cuda::ops;
+use crate::kernels::cuda::{ops, repack};
 use crate::model::backend::HeadCopy;
 use crate::model::config::{Activation, RopeStyle};
 use crate::quant;
@@ -163,7 +163,9 @@ fn quantize(c: &mut Ctx) -> Result<()> {
     Ok(())
 }
 
-/// Weights of `ty` quantized by the crate's reference quantizer, and their dequantized values.
+/// Weights of `ty` quantized by the crate's reference quantizer, in the device's layout (as the
+/// backend uploads them: Q6_K repacked, [`repack`]), and their dequantized values (from the
+/// file's bytes, by the crate's dequantizer).
 fn weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Result<(Vec<u8>, Vec<f32>)> {
     let f = floats(rows * cols, seed);
     let (mut bytes, mut deq, mut row) = (Vec::new(), vec![0f32; rows * cols], Vec::new());
@@ -172,13 +174,31 @@ fn weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Result<(Vec<u8>
         quant::dequantize_row(ty, &row, &mut deq[r * cols..(r + 1) * cols])?;
         bytes.extend_from_slice(&row);
     }
-    Ok((bytes, deq))
+    Ok((repack::to_device(ty, cols, &bytes).into_owned(), deq))
 }
+
+/// Q6_K's GEMV (four lanes a block, so a row of up to 8 blocks leaves lanes idle and a longer one
+/// wraps) at more shapes: every token count of one pass (1..8), rows not a multiple of 4, and
+/// widths of 1, 6 (Qwen2.5-1.5B's 1,536), 9 and 35 (its FFN's 8,960) blocks.
+const Q6_K_GEMV_SHAPES: [(usize, usize, usize); 8] = [
+    (5, 256, 1),
+    (13, 1536, 2),
+    (3, 2304, 3),
+    (6, 1536, 4),
+    (2, 8960, 5),
+    (9, 768, 6),
+    (1, 2304, 7),
+    (7, 1536, 8),
+];
 
 fn gemv(c: &mut Ctx, ty: GgmlType) -> Result<()> {
     let (kernel, q8) = ops::gemv_kernel(ty).expect("checked types have kernels");
     let cols_small = if ty.block_size() == 256 { 256 } else { 64 };
-    for (rows, cols, nt) in [(1, cols_small, 1), (7, 512, 3), (37, 768, 9), (5, 1280, 16)] {
+    let mut shapes = vec![(1, cols_small, 1), (7, 512, 3), (37, 768, 9), (5, 1280, 16)];
+    if ty == GgmlType::Q6K {
+        shapes.extend(Q6_K_GEMV_SHAPES);
+    }
+    for (rows, cols, nt) in shapes {
         let (wb, wdeq) = weights(ty, rows, cols, 7 + rows as u64)?;
         let x = floats(nt * cols, 11 + nt as u64);
         // The activations the kernel sees: q8_1 (reference quantizer) or f32 as is.

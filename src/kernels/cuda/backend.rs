@@ -1,12 +1,13 @@
 //! `model::Backend` on a CUDA device (or the emulator): weights uploaded once as stored
-//! (quantized; types without a kernel are dequantized to f16 at load), activations as device f32
-//! matrices, the paged KV cache as f16 device blocks (also for `KvType::F32` models), or K and V
-//! each in its `--cache-type` (ggml q8_0/q4_0 blocks of rotated values, as the CPU stores them,
-//! read in place by the `_q` attention kernels). The host side only sequences kernels (`ops`)
-//! through a [`Launch`]; small per-call tables (token ids, positions, KV slots, block tables) are
-//! uploaded per call. Errors inside an op cannot be returned through the `Backend` trait and end
-//! the process with a message naming the op (a launch fails only for a lost device or a bug). The
-//! steps of several kernels (matmuls, the fused sublayer paths) are in `sublayers.rs`.
+//! (quantized, Q6_K rows repacked into aligned planes: `repack`; types without a kernel are
+//! dequantized to f16 at load), activations as device f32 matrices, the paged KV cache as f16
+//! device blocks (also for `KvType::F32` models), or K and V each in its `--cache-type` (ggml
+//! q8_0/q4_0 blocks of rotated values, as the CPU stores them, read in place by the `_q` attention
+//! kernels). The host side only sequences kernels (`ops`) through a [`Launch`]; small per-call
+//! tables (token ids, positions, KV slots, block tables) are uploaded per call. Errors inside an
+//! op cannot be returned through the `Backend` trait and end the process with a message naming
+//! the op (a launch fails only for a lost device or a bug). The steps of several kernels
+//! (matmuls, the fused sublayer paths) are in `sublayers.rs`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -200,7 +201,9 @@ impl Backend for CudaBackend {
             );
         }
         if ops::gemv_kernel(src.ty).is_some() {
-            let buf = DevBuf::from_bytes(&self.l, src.bytes)?;
+            // As stored, except Q6_K rows, which the kernels read repacked (`repack`).
+            let bytes = super::repack::to_device(src.ty, src.cols, src.bytes);
+            let buf = DevBuf::from_bytes(&self.l, &bytes)?;
             return Ok(CudaWeight {
                 buf,
                 ty: src.ty,

@@ -1,6 +1,7 @@
 //! Typed launchers for the kernels of `cuda/*.cu`: each function states a kernel's grid, block and
 //! argument order in one place (they must match the `extern "C"` signatures), so the backend and
-//! the checks never spell raw launches. Pointers are device addresses from [`super::launch`].
+//! the checks never spell raw launches. Pointers are device addresses from [`super::launch`]; a
+//! weight is in its device layout ([`super::repack`]: Q6_K rows repacked), 16-byte aligned.
 
 use anyhow::{bail, Result};
 
@@ -112,8 +113,8 @@ pub fn gemv(
     let Some((name, _)) = gemv_kernel(ty) else {
         bail!("no CUDA matmul kernel for {}", ty.name());
     };
-    if ty == GgmlType::Q4K && !w.is_multiple_of(16) {
-        bail!("gemv_q4_k reads 16-byte-aligned weights (at {w:#x})");
+    if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) && !w.is_multiple_of(16) {
+        bail!("{name} reads 16-byte-aligned weights (at {w:#x})");
     }
     let grid = [
         rows.div_ceil(4) as u32,
@@ -168,8 +169,9 @@ pub fn gemv_multi(
             parts.len()
         );
     }
-    if ty == GgmlType::Q4K && parts.iter().any(|p| !p.0.is_multiple_of(16)) {
-        bail!("gemv_multi_q4_k reads 16-byte-aligned weights");
+    if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) && parts.iter().any(|p| !p.0.is_multiple_of(16))
+    {
+        bail!("{name} reads 16-byte-aligned weights");
     }
     let mut args = vec![Arg::Ptr(xq), i32a(cols), i32a(ntok)];
     let mut blocks = 0;

@@ -1,12 +1,13 @@
 //! `infer bench --profile`: the launches of some decode steps, timed one by one on the device
 //! (CUDA events around each, graphs bypassed: [`super::launch::Launch::profile_start`]), summed
-//! per kernel, with the bytes each kernel must move at least (weights, activations read and
+//! per kernel (matrix products per kernel and shape), with the bytes each kernel must move at least (weights, activations read and
 //! written, KV written) and so its achieved bandwidth. The bytes come from the launch's own
 //! arguments, as ops.rs lays them out; kernels whose traffic depends on more than their arguments
 //! (attention over a sequence's positions, embedding lookups) get no figure.
 
 use super::launch::{Arg, Timed};
 use super::ops::{self, Q8_1_BYTES};
+use super::repack;
 use crate::format::GgmlType;
 
 /// One kernel's share of the profiled steps.
@@ -70,14 +71,16 @@ fn multi_shape(t: &Timed) -> Option<(GgmlType, u64, u64, u64)> {
     Some((ty, rows, int(&t.args, 1)?, int(&t.args, 2)?))
 }
 
-/// The weight bytes a matrix-product launch reads (None for other kernels).
+/// The weight bytes a matrix-product launch reads, in the device's layout (None for other
+/// kernels).
 pub fn weight_bytes(t: &Timed) -> Option<u64> {
+    let dev = |ty, cols: u64| repack::row_bytes(ty, cols as usize).map(|b| b as u64);
     if let Some((ty, rows, cols, _)) = multi_shape(t) {
-        return Some(rows * ty.row_bytes(cols as usize)? as u64);
+        return Some(rows * dev(ty, cols)?);
     }
     // (w, x, out, rows, cols, ..)
     let (rows, cols) = (int(&t.args, 3)?, int(&t.args, 4)?);
-    Some(rows * matmul_type(&t.name)?.row_bytes(cols as usize)? as u64)
+    Some(rows * dev(matmul_type(&t.name)?, cols)?)
 }
 
 /// The least bytes a launch moves (see the module docs), from its arguments.
@@ -131,16 +134,32 @@ pub fn launch_bytes(t: &Timed) -> Option<u64> {
     }
 }
 
-/// Sums `timed` (the launches of `steps` steps) per kernel, in order of first launch.
+/// What a launch is summed under: its kernel, and for a matrix product the weight's shape (rows,
+/// all of a multi-matrix launch's, × cols), so that each matrix shape has its own bandwidth (a
+/// model's output head apart from its 256-row V projection of the same type).
+fn label(t: &Timed) -> String {
+    let shape = match multi_shape(t) {
+        Some((_, rows, cols, _)) => Some((rows, cols)),
+        None => matmul_type(&t.name).and_then(|_| Some((int(&t.args, 3)?, int(&t.args, 4)?))),
+    };
+    match shape {
+        Some((rows, cols)) => format!("{} {rows}x{cols}", t.name),
+        None => t.name.clone(),
+    }
+}
+
+/// Sums `timed` (the launches of `steps` steps) per kernel and matrix shape ([`label`]), in order
+/// of first launch.
 pub fn summarize(timed: &[Timed], steps: usize) -> Vec<KernelProfile> {
     let steps = steps.max(1) as f64;
     let mut out: Vec<(KernelProfile, bool)> = Vec::new();
     for t in timed {
-        let i = match out.iter().position(|(k, _)| k.name == t.name) {
+        let name = label(t);
+        let i = match out.iter().position(|(k, _)| k.name == name) {
             Some(i) => i,
             None => {
                 let k = KernelProfile {
-                    name: t.name.clone(),
+                    name,
                     launches: 0.0,
                     secs: 0.0,
                     bytes: Some(0.0),
@@ -180,35 +199,49 @@ mod tests {
         }
     }
 
+    fn gemv(name: &str, rows: i32, cols: i32, secs: f64) -> Timed {
+        let a = vec![Arg::Ptr(1), Arg::Ptr(2), Arg::Ptr(3)];
+        let a = [
+            a,
+            vec![Arg::I32(rows), Arg::I32(cols), Arg::I32(1), Arg::Ptr(0)],
+        ]
+        .concat();
+        timed(name, 1, a, secs)
+    }
+
     #[test]
-    fn sums_per_kernel_with_bytes_from_the_arguments() {
-        let gemv = |rows: i32, secs| {
-            let a = vec![Arg::Ptr(1), Arg::Ptr(2), Arg::Ptr(3)];
-            let a = [
-                a,
-                vec![Arg::I32(rows), Arg::I32(1536), Arg::I32(1), Arg::Ptr(0)],
-            ]
-            .concat();
-            timed("gemv_q4_k", 1, a, secs)
-        };
+    fn sums_per_kernel_and_shape_with_bytes_from_the_arguments() {
         let attn = timed("attn_split", 2, vec![Arg::Ptr(1)], 3e-6);
-        // Two steps: a 1536x1536 and a 256x1536 Q4_K product each, and attention.
-        let t = [gemv(1536, 4e-6), attn.clone(), gemv(256, 1e-6)];
+        // Two steps: 1536x1536 Q4_K products (two a step), a 256x1536 one, and attention.
+        let t = [
+            gemv("gemv_q4_k", 1536, 1536, 4e-6),
+            attn.clone(),
+            gemv("gemv_q4_k", 256, 1536, 1e-6),
+            gemv("gemv_q4_k", 1536, 1536, 2e-6),
+        ];
         let t: Vec<Timed> = t.iter().chain(t.iter()).cloned().collect();
         let p = summarize(&t, 2);
-        assert_eq!(p.len(), 2);
-        assert_eq!(p[0].name, "gemv_q4_k");
+        assert_eq!(p.len(), 3);
+        assert_eq!(p[0].name, "gemv_q4_k 1536x1536");
         assert_eq!(p[0].launches, 2.0);
-        assert!((p[0].secs - 5e-6).abs() < 1e-15);
+        assert!((p[0].secs - 6e-6).abs() < 1e-15);
         // Q4_K: 144 bytes per 256 values; q8_1 input of 1536 values; one f32 out per row.
         let want = |rows: f64| rows * 6.0 * 144.0 + 48.0 * 36.0 + rows * 4.0;
-        assert_eq!(p[0].bytes, Some(want(1536.0) + want(256.0)));
+        assert_eq!(p[0].bytes, Some(2.0 * want(1536.0)));
         let bw = p[0].bandwidth().unwrap();
-        assert!(
-            (bw - (want(1536.0) + want(256.0)) / 5e-6).abs() < 1.0,
-            "{bw}"
-        );
+        assert!((bw - 2.0 * want(1536.0) / 6e-6).abs() < 1.0, "{bw}");
         assert_eq!((p[1].name.as_str(), p[1].bytes), ("attn_split", None));
+        assert_eq!(p[2].name, "gemv_q4_k 256x1536");
+        assert_eq!(p[2].bytes, Some(want(256.0)));
+    }
+
+    #[test]
+    fn q6_k_counts_its_repacked_rows() {
+        // 1536 wide: six 208-byte blocks and 16 bytes of d (12 and 4 of padding) a row.
+        let p = summarize(&[gemv("gemv_q6_k", 151_936, 1536, 1e-4)], 1);
+        assert_eq!(p[0].name, "gemv_q6_k 151936x1536");
+        let want = 151_936.0 * 1264.0 + 48.0 * 36.0 + 151_936.0 * 4.0;
+        assert_eq!(p[0].bytes, Some(want));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! How much GPU memory a model needs with its first `gpu_layers` layers on the GPU, and how many
-//! layers fit in a given amount: weights as the CUDA backend stores them (as in the file; f16 for
-//! types without a kernel), the KV cache of those layers in its types (f16, or q8_0/q4_0 blocks
-//! per `--cache-type-k/-v`), and a margin for activations and scratch. Used by the CLI to refuse a load with a clear message instead of failing midway.
+//! layers fit in a given amount: weights as the CUDA backend stores them (as in the file, Q6_K
+//! repacked; f16 for types without a kernel), the KV cache of those layers in its types (f16, or
+//! q8_0/q4_0 blocks per `--cache-type-k/-v`), and a margin for activations and scratch. Used by
+//! the CLI to refuse a load with a clear message instead of failing midway.
 
 use crate::format::{Gguf, TensorInfo};
 
@@ -27,7 +28,9 @@ fn layer_of(name: &str) -> Option<usize> {
 fn stored_bytes(t: &TensorInfo) -> u64 {
     let n = t.n_elements();
     if super::ops::gemv_kernel(t.ty).is_some() {
-        t.ty.row_bytes(n as usize).map_or(n * 2, |b| b as u64)
+        // Rows as the device holds them (Q6_K's repacked: a few bytes more per row).
+        let cols = t.row_len().max(1);
+        super::repack::row_bytes(t.ty, cols).map_or(n * 2, |b| n / cols as u64 * b as u64)
     } else {
         n * 2 // dequantized to f16 at load
     }
