@@ -15,6 +15,47 @@
 #define ATTN_MAX_HD 256 // head_dim
 #define ATTN_THREADS 128
 
+// A split's unnormalised sums `acc[g]` at value `d` for the G query heads of KV head `kvh`: with
+// one split, normalised into `out` (what attn_merge would make of one split: e^0 = 1 exactly)
+// and quantized into `q8` when given; else into the split's record in `part`.
+__device__ __forceinline__ void split_store_values(const float (&acc)[ATTN_MAX_G], int d, int G,
+                                                   int qi, int kvh, int n_head, int hd, int split,
+                                                   int n_split, int n, const float* ml,
+                                                   float* __restrict__ out,
+                                                   float* __restrict__ part,
+                                                   uint8_t* __restrict__ q8) {
+#pragma unroll
+  for (int g = 0; g < ATTN_MAX_G; g++) {
+    if (g < G) {
+      const int h = kvh * G + g;
+      if (n_split == 1)
+        out[((size_t)qi * n_head + h) * hd + d] = n > 0 ? acc[g] / ml[2 * g + 1] : 0.0f;
+      else
+        part[(((size_t)qi * n_head + h) * n_split + split) * (hd + 2) + d] = acc[g];
+    }
+  }
+  if (n_split == 1 && q8) {
+    // Each thread reads back only what it wrote; not unrolled (registers).
+#pragma unroll 1
+    for (int g = 0; g < G; g++) {
+      const size_t o = ((size_t)qi * n_head + kvh * G + g) * hd + d;
+      q8_1_warp(out[o], q8 + o / 32 * Q8_1_BYTES);
+    }
+  }
+}
+
+// The split's max score m and sum of exp l for each of its G query heads, by threads 0..G-1.
+__device__ __forceinline__ void split_store_stats(int G, int qi, int kvh, int n_head, int hd,
+                                                  int split, int n_split, int n, const float* ml,
+                                                  float* __restrict__ part) {
+  if ((int)threadIdx.x < G) {
+    const int g = threadIdx.x, h = kvh * G + g;
+    float* rec = part + (((size_t)qi * n_head + h) * n_split + split) * (hd + 2);
+    rec[hd] = n > 0 ? ml[2 * g] : NEG_INF;
+    rec[hd + 1] = n > 0 ? ml[2 * g + 1] : 0.0f;
+  }
+}
+
 /// grid (n_q, n_head_kv, n_split), block (128). With one split the normalised result goes
 /// straight to `out` (no merge launch), and its q8_1 blocks to `q8` when given (head_dim a
 /// multiple of 32: a warp's 32 consecutive values of a head are one block).
@@ -96,31 +137,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
       for (int g = 0; g < ATTN_MAX_G; g++)
         if (g < G) acc[g] += sc[g * ATTN_SPLIT + j] * v;
     }
-#pragma unroll
-    for (int g = 0; g < ATTN_MAX_G; g++) {
-      if (g < G) {
-        const int h = kvh * G + g;
-        if (n_split == 1)  // what attn_merge would make of one split: e^0 = 1 exactly
-          out[((size_t)qi * n_head + h) * hd + d] = n > 0 ? acc[g] / ml[2 * g + 1] : 0.0f;
-        else
-          part[(((size_t)qi * n_head + h) * n_split + split) * (hd + 2) + d] = acc[g];
-      }
-    }
-    if (n_split == 1 && q8) {
-      // Each thread reads back only what it wrote; not unrolled (registers).
-#pragma unroll 1
-      for (int g = 0; g < G; g++) {
-        const size_t o = ((size_t)qi * n_head + kvh * G + g) * hd + d;
-        q8_1_warp(out[o], q8 + o / 32 * Q8_1_BYTES);
-      }
-    }
+    split_store_values(acc, d, G, qi, kvh, n_head, hd, split, n_split, n, ml, out, part, q8);
   }
-  if ((int)threadIdx.x < G) {
-    const int g = threadIdx.x, h = kvh * G + g;
-    float* rec = part + (((size_t)qi * n_head + h) * n_split + split) * (hd + 2);
-    rec[hd] = n > 0 ? ml[2 * g] : NEG_INF;
-    rec[hd + 1] = n > 0 ? ml[2 * g + 1] : 0.0f;
-  }
+  split_store_stats(G, qi, kvh, n_head, hd, split, n_split, n, ml, part);
 }
 EMU_EXPORT(attn_split)
 
@@ -299,30 +318,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
       for (int g = 0; g < ATTN_MAX_G; g++)
         if (g < G) acc[g] = unrotate_warp(acc[g]);
     }
-#pragma unroll
-    for (int g = 0; g < ATTN_MAX_G; g++) {
-      if (g < G) {
-        const int h = kvh * G + g;
-        if (n_split == 1)  // what attn_merge would make of one split: e^0 = 1 exactly
-          out[((size_t)qi * n_head + h) * hd + d] = n > 0 ? acc[g] / ml[2 * g + 1] : 0.0f;
-        else
-          part[(((size_t)qi * n_head + h) * n_split + split) * (hd + 2) + d] = acc[g];
-      }
-    }
-    if (n_split == 1 && q8) {
-#pragma unroll 1
-      for (int g = 0; g < G; g++) {
-        const size_t o = ((size_t)qi * n_head + kvh * G + g) * hd + d;
-        q8_1_warp(out[o], q8 + o / 32 * Q8_1_BYTES);
-      }
-    }
+    split_store_values(acc, d, G, qi, kvh, n_head, hd, split, n_split, n, ml, out, part, q8);
   }
-  if ((int)threadIdx.x < G) {
-    const int g = threadIdx.x, h = kvh * G + g;
-    float* rec = part + (((size_t)qi * n_head + h) * n_split + split) * (hd + 2);
-    rec[hd] = n > 0 ? ml[2 * g] : NEG_INF;
-    rec[hd + 1] = n > 0 ? ml[2 * g + 1] : 0.0f;
-  }
+  split_store_stats(G, qi, kvh, n_head, hd, split, n_split, n, ml, part);
 }
 EMU_EXPORT(attn_split_q)
 
