@@ -338,18 +338,12 @@ impl Constraint {
         if !self.closing_now(scan, remaining)? {
             return Ok(());
         }
-        // Ties go to the lowest id, as in the measurement, so closing takes what it measured.
-        let allowed: Vec<f32> = logits
-            .iter()
-            .map(|l| {
-                if l.is_finite() {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-            .collect();
-        if let Some(keep) = self.closing_token(scan, &allowed) {
+        // Ties go by length and id, as in the measurement, so closing takes what it measured:
+        // every allowed logit the same (one of them is kept below).
+        for l in logits.iter_mut().filter(|l| l.is_finite()) {
+            *l = 0.0;
+        }
+        if let Some(keep) = self.closing_token(scan, logits) {
             for (id, l) in logits.iter_mut().enumerate() {
                 if id as u32 != keep {
                     *l = f32::NEG_INFINITY;
