@@ -1,5 +1,6 @@
 // Token sampling on the device: the CPU sampler's chain (src/engine/sampler.rs) for one row of
-// logits per block, so that only the chosen id comes back to the host. Penalties from the row's
+// logits per block, each row with its own sampler (the rows of a batched decode step are different
+// requests'), so that only the chosen ids come back to the host. Penalties from the row's
 // penalty window, then greedy argmax, or an exact top-k (4-pass radix select, ties by ascending id)
 // sorted as the CPU sorts it, top-p and min-p on the temperature-1 weights, temperature, and the
 // draw from a xoshiro256** state kept in device memory and advanced once per non-greedy sample.
@@ -74,21 +75,30 @@ __device__ __forceinline__ unsigned long long sample_next_u64(unsigned long long
   return result;
 }
 
-/// One token per row of `x` (rows of n logits), as the CPU `Sampler::sample` picks it.
-/// - Penalties: `win` holds each row's penalty window (the last repeat_last_n history tokens,
-///   `wlen` ids a row, ids outside the vocabulary ignored); each distinct id's logit is penalised
-///   once, in place in `x` (the row is not the model's output any more afterwards).
+/// One row to sample (`ops::SampleRow` on the host writes it, 72 bytes): where its logits, RNG
+/// state and penalty window are, and its sampler's parameters. Rows of one launch may belong to
+/// different requests, so each carries its own.
+struct SampleRow {
+  unsigned long long logits;  // float[n]: the row, penalised in place
+  unsigned long long rng;     // u64[4]: its xoshiro256** state
+  unsigned long long win;     // int[wlen]: its penalty window
+  int wlen, pen, k, pad;
+  float repeat_penalty, frequency_penalty, presence_penalty, top_p, min_p, ln_min_p, inv_temp, pad2;
+};
+
+/// One token for each row of `rows` (rows of n logits), as the CPU `Sampler::sample` picks it.
+/// - Penalties: `win` holds the row's penalty window (the last repeat_last_n history tokens, ids
+///   outside the vocabulary ignored); each distinct id's logit is penalised once, in place in
+///   the logits (the row is not the model's output any more afterwards).
 /// - `k == 0`: greedy, the lowest id of the largest penalised logit; the RNG is not touched.
 /// - `1 <= k <= SAMPLE_MAX_K`, `k < n`: the k best (descending logit, ties by ascending id),
 ///   then top-p (`top_p < 1`), min-p (`min_p > 0`, with `ln_min_p = ln(min_p)` from the host,
 ///   whose `ln` the device does not have bit for bit), weights at temperature 1 / `inv_temp`,
-///   and a draw with `rng` (4 u64 a row, advanced once).
+///   and a draw with the row's `rng` (advanced once).
 /// `pen` = 1 when any penalty is on (the CPU skips the subtraction when frequency and presence
 /// are both 0). grid (rows), block (SAMPLE_THREADS); out: one int a row.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample(float* x, const int* __restrict__ win, int wlen, int pen, float repeat_penalty,
-           float frequency_penalty, float presence_penalty, int n, int k, float top_p, float min_p,
-           float ln_min_p, float inv_temp, unsigned long long* rng, int* __restrict__ out) {
+    sample(const SampleRow* __restrict__ rows, int n, int* __restrict__ out) {
   __shared__ unsigned long long cand[SAMPLE_MAX_K];
   __shared__ float w1[SAMPLE_MAX_K];
   __shared__ float wt[SAMPLE_MAX_K];
@@ -98,11 +108,17 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
   __shared__ int si[32];
   __shared__ unsigned sel_prefix, sel_mask, sel_need, n_above;
   const int tid = threadIdx.x;
-  float* xr = x + (size_t)blockIdx.x * n;
+  const SampleRow row = rows[blockIdx.x];
+  float* xr = reinterpret_cast<float*>(row.logits);
+  const int* win = reinterpret_cast<const int*>(row.win);
+  const int wlen = row.wlen, pen = row.pen, k = row.k;
+  const float repeat_penalty = row.repeat_penalty, frequency_penalty = row.frequency_penalty;
+  const float presence_penalty = row.presence_penalty, top_p = row.top_p, min_p = row.min_p;
+  const float ln_min_p = row.ln_min_p, inv_temp = row.inv_temp;
 
   // Penalties: thread i takes window position i if it is its id's first occurrence.
   if (pen && wlen > 0) {
-    const int* w = win + (size_t)blockIdx.x * wlen;
+    const int* w = win;
     for (int i = tid; i < wlen; i += blockDim.x) {
       const int id = w[i];
       if (id < 0 || id >= n) continue;
@@ -259,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
   }
   double sum = 0.0;
   for (int i = 0; i < len; i++) sum = __dadd_rn(sum, (double)wt[i]);
-  unsigned long long* s = rng + (size_t)blockIdx.x * 4;
+  unsigned long long* s = reinterpret_cast<unsigned long long*>(row.rng);
   unsigned long long st[4] = {s[0], s[1], s[2], s[3]};
   const double u = __dmul_rn((double)(sample_next_u64(st) >> 11), 1.0 / 9007199254740992.0);
   s[0] = st[0];

@@ -455,7 +455,8 @@ fn greedy_decoding_agrees_for_64_tokens() {
 /// The engine samples on the device (after the first token) and picks exactly the tokens the
 /// CPU sampler picks from the same backend's downloaded logits: greedy with penalties, and the
 /// default chain (top-k 40, top-p, min-p, temperature) with every penalty, over 24 tokens, both
-/// through `generate` and through the scheduler.
+/// through `generate` and through the scheduler, where a second request joins halfway and both
+/// are sampled in one launch a step.
 #[test]
 fn engine_samples_on_the_device_as_on_the_host() {
     use infer::engine::sampler::SamplerConfig;
@@ -489,5 +490,10 @@ fn engine_samples_on_the_device_as_on_the_host() {
             r.joined, r.host,
             "{cfg:?}: joined halfway by another request"
         );
+        assert_eq!(r.other, r.other_host, "{cfg:?}: the request that joined");
+        assert_eq!(r.other.len(), 6, "{cfg:?}: the request that joined");
+        // Its first token comes from its prompt's logits (on the host); the other five from
+        // steps it shared with the first request, both rows sampled in one launch.
+        assert_eq!(r.batched_rows, 2 * 5, "{cfg:?}: rows sampled together");
     }
 }

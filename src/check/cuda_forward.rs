@@ -251,9 +251,15 @@ pub struct SampledCheck {
     pub scheduler: Vec<u32>,
     /// Launches of the `sample` kernel during that run.
     pub scheduler_device_samples: usize,
-    /// The same request's tokens through a scheduler where a second request joins it after
-    /// half of them (its sampling then moves back to the host).
+    /// The same request's tokens through a scheduler where a second (greedy) request joins it
+    /// after half of them: both then decode in the same steps, sampled on the device together.
     pub joined: Vec<u32>,
+    /// The second request's tokens in that run.
+    pub other: Vec<u32>,
+    /// The second request alone, sampled on the host from the same backend's logits.
+    pub other_host: Vec<u32>,
+    /// Rows the `sample` kernel took in launches of two rows or more during the joined run.
+    pub batched_rows: usize,
 }
 
 /// `steps` tokens after `prompt` sampled with `cfg` twice on the CUDA backend: by `generate`
@@ -275,6 +281,7 @@ pub fn sampled(
     let counting = Arc::new(CountSamples {
         inner: l,
         n: Default::default(),
+        batched: Default::default(),
     });
     let l: Arc<dyn Launch> = counting.clone();
     let backend = || {
@@ -286,18 +293,32 @@ pub fn sampled(
         )
     };
 
-    let mut r = runner(&g, backend(), n_ctx)?;
-    let mut seq = Sequence::new(prompt.to_vec());
-    let mut sampler = Sampler::new(cfg.clone());
-    let mut logits = r.compute(&mut seq)?;
-    let mut host = Vec::new();
-    for _ in 0..steps {
-        let id = sampler.sample(&logits, &seq.tokens);
-        host.push(id);
-        seq.tokens.push(id);
-        logits = r.compute(&mut seq)?;
-    }
-    drop(seq);
+    // `steps` tokens of `prompt` sampled on the host from the backend's downloaded logits.
+    let host_tokens = |prompt: &[u32], cfg: &crate::engine::sampler::SamplerConfig, steps| {
+        let mut r = runner(&g, backend(), n_ctx)?;
+        let mut seq = Sequence::new(prompt.to_vec());
+        let mut sampler = Sampler::new(cfg.clone());
+        let mut logits = r.compute(&mut seq)?;
+        let mut host = Vec::new();
+        for _ in 0..steps {
+            let id = sampler.sample(&logits, &seq.tokens);
+            host.push(id);
+            seq.tokens.push(id);
+            logits = r.compute(&mut seq)?;
+        }
+        anyhow::Ok(host)
+    };
+    let host = host_tokens(prompt, &cfg, steps)?;
+    let other_prompt: Vec<u32> = prompt.iter().rev().copied().collect();
+    let mut other_params = GenParams {
+        max_tokens: steps / 4,
+        sampler: cfg.clone(),
+        stop: Vec::new(),
+        ignore_eos: true,
+        constraint: None,
+    };
+    other_params.sampler.temperature = 0.0;
+    let other_host = host_tokens(&other_prompt, &other_params.sampler, steps / 4)?;
     let device_before = counting.n.load(std::sync::atomic::Ordering::Relaxed);
 
     let mut r = runner(&g, backend(), n_ctx)?;
@@ -339,7 +360,8 @@ pub fn sampled(
         counting.n.load(std::sync::atomic::Ordering::Relaxed) - device_before - device_samples;
 
     // The same request decoding alone (on the device) until a greedy one joins it halfway; from
-    // then on both sample on the host, the first continuing from its device RNG state.
+    // then on both decode in the same steps, their rows sampled on the device in one launch.
+    let batched_before = counting.batched.load(std::sync::atomic::Ordering::Relaxed);
     let model = runner(&g, backend(), n_ctx)?.model;
     let mut r = Runner::shared(model, n_ctx, 2)?;
     let mut sched =
@@ -349,22 +371,20 @@ pub fn sampled(
         });
     sched.submit(0, spec_of(prompt, &params))?;
     let mut joined = Vec::new();
+    let mut other = Vec::new();
     let mut events = Vec::new();
     let mut done = 0;
     let mut submitted = false;
     while done < 2 {
         if !submitted && joined.len() >= steps / 2 {
-            let other: Vec<u32> = prompt.iter().rev().copied().collect();
-            let mut p = params.clone();
-            p.sampler.temperature = 0.0;
-            p.max_tokens = steps / 4;
-            sched.submit(1, spec_of(&other, &p))?;
+            sched.submit(1, spec_of(&other_prompt, &other_params))?;
             submitted = true;
         }
         sched.step(&mut r, &tok, &mut events)?;
         for (id, e) in events.drain(..) {
             match e {
                 crate::engine::request::Event::Token { id: t, .. } if id == 0 => joined.push(t),
+                crate::engine::request::Event::Token { id: t, .. } => other.push(t),
                 crate::engine::request::Event::Done(_) => done += 1,
                 crate::engine::request::Event::Error(m) => anyhow::bail!("{m}"),
                 _ => {}
@@ -374,8 +394,12 @@ pub fn sampled(
             anyhow::bail!("the first request ended before the second joined");
         }
     }
+    let batched_rows = counting.batched.load(std::sync::atomic::Ordering::Relaxed) - batched_before;
     Ok(SampledCheck {
         joined,
+        other,
+        other_host,
+        batched_rows,
         host,
         engine,
         device_samples,
@@ -396,10 +420,12 @@ fn spec_of(
     }
 }
 
-/// A [`Launch`] that counts launches of the `sample` kernel.
+/// A [`Launch`] that counts launches of the `sample` kernel, and the rows of those that sample
+/// several rows at once.
 struct CountSamples {
     inner: Arc<dyn Launch>,
     n: std::sync::atomic::AtomicUsize,
+    batched: std::sync::atomic::AtomicUsize,
 }
 
 impl Launch for CountSamples {
@@ -421,6 +447,11 @@ impl Launch for CountSamples {
     fn launch(&self, name: &str, grid: [u32; 3], block: [u32; 3], args: &[Arg]) -> Result<()> {
         if name == "sample" {
             self.n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if grid[0] >= 2 {
+                let rows = grid[0] as usize;
+                self.batched
+                    .fetch_add(rows, std::sync::atomic::Ordering::Relaxed);
+            }
         }
         self.inner.launch(name, grid, block, args)
     }

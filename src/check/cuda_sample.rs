@@ -66,72 +66,102 @@ fn u64s(v: &[u64]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// One configuration on one kind of row: the steps whose ids differ, plus one if the RNG state
-/// ends elsewhere than the CPU's.
-fn run_one(l: &Arc<dyn Launch>, c: &Cfg, kind: &str, n: usize, steps: usize) -> Result<usize> {
-    let &(_, temperature, top_k, top_p, min_p, repeat_penalty, frequency, presence, last_n) = c;
-    let seed = 1000 + n as u64 + top_k as u64;
-    let mut cpu = Sampler::new(SamplerConfig {
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        repeat_penalty,
-        repeat_last_n: last_n,
-        presence_penalty: presence,
-        frequency_penalty: frequency,
-        seed,
-        dry: None,
-    });
-    let ds = cpu
-        .device_sampling(n)
-        .ok_or_else(|| anyhow::anyhow!("configuration not sampled on the device"))?;
-    let rng = DevBuf::from_bytes(l, &u64s(&ds.rng))?;
-    let out = DevBuf::new(l, 4)?;
-    let xd = DevBuf::new(l, n * 4)?;
-    let wd = DevBuf::new(l, (last_n.max(1)) * 4)?;
-    // A history that repeats a few ids (and names one outside the vocabulary).
-    let mut history: Vec<u32> = (0..40).map(|i| (i * 37 % 13) as u32 * 3).collect();
-    history.push(n as u32 + 5);
-    let mut wrong = 0;
-    for step in 0..steps {
-        let x = row(kind, n, seed * 131 + step as u64);
-        let want = cpu.sample(&x, &history);
-        l.upload(xd.ptr, &crate::kernels::cuda::launch::f32_bytes(&x))?;
-        let window = cpu.penalty_window(&history);
-        let wb: Vec<u8> = window.iter().flat_map(|v| v.to_le_bytes()).collect();
-        if !wb.is_empty() {
-            l.upload(wd.ptr, &wb)?;
-        }
-        ops::sample(
-            &**l,
-            xd.ptr,
-            (wd.ptr, window.len()),
-            &ds,
-            rng.ptr,
-            out.ptr,
-            1,
-            n,
-        )?;
-        let b = out.to_bytes()?;
-        let got = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        wrong += (got != want) as usize;
-        history.push(want);
+/// `cases` (a configuration and a kind of row each) as the rows of one `sample` launch per step,
+/// each row with its own sampler, RNG state, penalty window and logits: per case, the steps whose
+/// ids differ from its CPU sampler's, plus one if its RNG state ends elsewhere than the CPU's.
+fn run_rows(
+    l: &Arc<dyn Launch>,
+    cases: &[(&Cfg, &str)],
+    n: usize,
+    steps: usize,
+) -> Result<Vec<usize>> {
+    let m = cases.len();
+    let mut cpus = Vec::with_capacity(m);
+    let mut rngs = Vec::with_capacity(m);
+    let mut seeds = Vec::with_capacity(m);
+    for (i, &(c, _)) in cases.iter().enumerate() {
+        let &(_, temperature, top_k, top_p, min_p, repeat_penalty, frequency, presence, last_n) = c;
+        let seed = 1000 + n as u64 + top_k as u64 + 7 * i as u64;
+        let cpu = Sampler::new(SamplerConfig {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty,
+            repeat_last_n: last_n,
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+            seed,
+            dry: None,
+        });
+        let ds = cpu
+            .device_sampling(n)
+            .ok_or_else(|| anyhow::anyhow!("configuration not sampled on the device"))?;
+        rngs.push(DevBuf::from_bytes(l, &u64s(&ds.rng))?);
+        cpus.push(cpu);
+        seeds.push(seed);
     }
-    let state: Vec<u64> = rng
-        .to_bytes()?
-        .chunks_exact(8)
-        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    let xd = DevBuf::new(l, m * n * 4)?;
+    let max_window = cases.iter().map(|(c, _)| c.8).sum::<usize>();
+    let table = DevBuf::new(l, m * ops::SAMPLE_ROW_BYTES + 4 * max_window + 4 * m)?;
+    let out = table.ptr + (m * ops::SAMPLE_ROW_BYTES + 4 * max_window) as u64;
+    // Histories that repeat a few ids (and name one outside the vocabulary), one per row.
+    let mut histories: Vec<Vec<u32>> = (0..m)
+        .map(|r| {
+            let mut h: Vec<u32> = (0..40).map(|i| ((i + r) * 37 % 13) as u32 * 3).collect();
+            h.push(n as u32 + 5);
+            h
+        })
         .collect();
-    let cpu_state = cpu.device_sampling(n).map(|d| d.rng.to_vec());
-    if Some(state) != cpu_state {
-        wrong += 1;
+    let mut wrong = vec![0; m];
+    for step in 0..steps {
+        let mut want = Vec::with_capacity(m);
+        let mut x = Vec::with_capacity(m * n);
+        for (r, &(_, kind)) in cases.iter().enumerate() {
+            let row = row(kind, n, seeds[r] * 131 + step as u64);
+            want.push(cpus[r].sample(&row, &histories[r]));
+            x.extend(row);
+        }
+        l.upload(xd.ptr, &crate::kernels::cuda::launch::f32_bytes(&x))?;
+        let windows: Vec<Vec<u32>> = (0..m)
+            .map(|r| cpus[r].penalty_window(&histories[r]).to_vec())
+            .collect();
+        let samplings: Vec<_> = cpus.iter().map(|c| c.device_sampling(n)).collect();
+        let rows: Vec<ops::SampleRow<'_>> = (0..m)
+            .map(|r| ops::SampleRow {
+                logits: xd.ptr + (r * n * 4) as u64,
+                rng: rngs[r].ptr,
+                window: &windows[r],
+                s: samplings[r].as_ref().expect("checked above"),
+            })
+            .collect();
+        ops::sample(&**l, &rows, table.ptr, n, out)?;
+        let mut b = vec![0u8; 4 * m];
+        l.download(out, &mut b)?;
+        for r in 0..m {
+            let got = u32::from_le_bytes(b[4 * r..4 * r + 4].try_into().expect("4 bytes"));
+            wrong[r] += (got != want[r]) as usize;
+            histories[r].push(want[r]);
+        }
+    }
+    for r in 0..m {
+        let state: Vec<u64> = rngs[r]
+            .to_bytes()?
+            .chunks_exact(8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect();
+        let cpu_state = cpus[r].device_sampling(n).map(|d| d.rng.to_vec());
+        if Some(state) != cpu_state {
+            wrong[r] += 1;
+        }
     }
     Ok(wrong)
 }
 
 /// Every configuration on every kind of row at each vocabulary size in `sizes`, `steps` tokens
-/// each; one [`Check`] per (size, configuration).
+/// each, the four kinds of row of a configuration sampled together (one [`Check`] per (size,
+/// configuration)); then every configuration at once, one row each (one launch a step, as a
+/// batched decode step samples its requests' rows).
 pub fn sample(
     l: &Arc<dyn Launch>,
     sizes: &[usize],
@@ -141,10 +171,8 @@ pub fn sample(
     for &n in sizes {
         for c in &CONFIGS {
             let t = Instant::now();
-            let mut wrong = 0;
-            for kind in ROWS {
-                wrong += run_one(l, c, kind, n, steps)?;
-            }
+            let cases: Vec<_> = ROWS.iter().map(|&k| (c, k)).collect();
+            let wrong: usize = run_rows(l, &cases, n, steps)?.iter().sum();
             out.push(Check {
                 kernel: "sample".into(),
                 shape: format!(
@@ -157,6 +185,23 @@ pub fn sample(
                 secs: t.elapsed().as_secs_f64(),
             });
         }
+        let t = Instant::now();
+        let cases: Vec<_> = CONFIGS
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c, ROWS[i % ROWS.len()]))
+            .collect();
+        let wrong: usize = run_rows(l, &cases, n, steps)?.iter().sum();
+        out.push(Check {
+            kernel: "sample".into(),
+            shape: format!(
+                "n={n}, {} configurations in one launch, {steps} steps (ids wrong)",
+                CONFIGS.len()
+            ),
+            err: wrong as f64,
+            tol: 0.0,
+            secs: t.elapsed().as_secs_f64(),
+        });
     }
     Ok(())
 }

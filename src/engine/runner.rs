@@ -12,7 +12,16 @@ use anyhow::{bail, Result};
 
 use crate::engine::kv_blocks::{BlockPool, BlockTable};
 use crate::model::backend::{DeviceSampler, KvType};
+use crate::model::forward::{Pick, Picked};
 use crate::model::{Backend, BatchEntry, Model};
+
+/// A sequence's outcome of [`Runner::step_sampled`]: its logits rows, or the token the device
+/// sampled.
+#[derive(Debug)]
+pub enum Stepped {
+    Logits(Vec<Vec<f32>>),
+    Token(u32),
+}
 
 /// Positions per KV block.
 pub const BLOCK_SIZE: usize = 32;
@@ -235,7 +244,33 @@ impl<B: Backend> Runner<B> {
         invariant: bool,
         register: bool,
     ) -> Result<Vec<Vec<Vec<f32>>>> {
+        let mut devices: Vec<Option<(&mut DeviceSampler, &[u32])>> =
+            seqs.iter().map(|_| None).collect();
+        let out = self.step_sampled(seqs, logits_from, &mut devices, invariant, register)?;
+        Ok(out
+            .into_iter()
+            .map(|s| match s {
+                Stepped::Logits(rows) => rows,
+                Stepped::Token(_) => unreachable!("no sequence was sampled on the device"),
+            })
+            .collect())
+    }
+
+    /// [`Runner::step`] where sequence `i`'s next token is picked on the device when
+    /// `devices[i]` holds a sampler from [`Backend::device_sampler`](crate::model::Backend) and
+    /// its penalty window: such a sequence gets [`Stepped::Token`] (its `logits_from` is ignored:
+    /// only its last position is sampled), the others their logits rows. The device rows are
+    /// sampled in one go and only their ids come back.
+    pub fn step_sampled(
+        &mut self,
+        seqs: &mut [&mut Sequence],
+        logits_from: &[usize],
+        devices: &mut [Option<(&mut DeviceSampler, &[u32])>],
+        invariant: bool,
+        register: bool,
+    ) -> Result<Vec<Stepped>> {
         assert_eq!(seqs.len(), logits_from.len(), "a logits start per sequence");
+        assert_eq!(seqs.len(), devices.len(), "a device choice per sequence");
         let bs = BLOCK_SIZE;
         let need: usize = seqs
             .iter()
@@ -253,30 +288,57 @@ impl<B: Backend> Runner<B> {
             }
             self.prepare(s, s.n_cached, s.tokens.len())?;
         }
-        let batch: Vec<BatchEntry<'_>> = seqs
+        // Logits rows from `from` on (the last position's at least); a device sequence's last only.
+        let from: Vec<usize> = seqs
             .iter()
             .zip(logits_from)
+            .zip(devices.iter())
+            .map(|((s, &from), d)| match d {
+                Some(_) => s.tokens.len() - 1,
+                None => from.clamp(s.n_cached, s.tokens.len() - 1),
+            })
+            .collect();
+        let batch: Vec<BatchEntry<'_>> = seqs
+            .iter()
+            .zip(&from)
             .flat_map(|(s, &from)| {
-                let end = s.tokens.len();
-                (s.n_cached..end).map(move |pos| BatchEntry {
+                (s.n_cached..s.tokens.len()).map(move |pos| BatchEntry {
                     token: s.tokens[pos],
                     pos: pos as u32,
                     seq: s.id,
                     block_table: s.blocks.blocks(),
-                    logits: pos >= from || pos + 1 == end,
+                    logits: pos >= from,
                 })
             })
             .collect();
+        let mut picks = Vec::with_capacity(batch.len());
+        for ((s, &from), d) in seqs.iter().zip(&from).zip(devices.iter_mut()) {
+            match d {
+                Some((sampler, window)) => picks.push(Pick::Device(sampler, window)),
+                None => picks.extend((from..s.tokens.len()).map(|_| Pick::Host)),
+            }
+        }
         let be = &self.model.backend;
         be.set_row_invariant(invariant);
-        let out = self.model.forward(&mut self.kv, &batch);
+        let out = self.model.forward_picked(&mut self.kv, &batch, &mut picks);
         be.set_row_invariant(false);
+        drop(picks);
         let mut out = out?.into_iter();
         let mut per_seq = Vec::with_capacity(seqs.len());
-        for (s, &from) in seqs.iter_mut().zip(logits_from) {
+        for (s, &from) in seqs.iter_mut().zip(&from) {
             let end = s.tokens.len();
-            let n = end - from.clamp(s.n_cached, end - 1);
-            per_seq.push(out.by_ref().take(n).collect());
+            let rows: Vec<Picked> = out.by_ref().take(end - from).collect();
+            per_seq.push(match rows[..] {
+                [Picked::Token(id)] => Stepped::Token(id),
+                _ => Stepped::Logits(
+                    rows.into_iter()
+                        .map(|r| match r {
+                            Picked::Logits(l) => l,
+                            Picked::Token(_) => unreachable!("a device pick has one row"),
+                        })
+                        .collect(),
+                ),
+            });
             s.n_cached = end;
             if register {
                 s.blocks.register_full(&s.tokens, end);

@@ -24,7 +24,7 @@ use anyhow::Result;
 
 use crate::engine::generate::StopReason;
 use crate::engine::request::{Event, Request, RequestId, RequestSpec};
-use crate::engine::runner::{Runner, Sequence, BLOCK_SIZE, PREFILL_CHUNK};
+use crate::engine::runner::{Runner, Sequence, Stepped, BLOCK_SIZE, PREFILL_CHUNK};
 use crate::model::Backend;
 use crate::tokenizer::Tokenizer;
 
@@ -413,14 +413,13 @@ impl Scheduler {
             s.seq.tokens.extend_from_slice(&d);
             drafts.push(d);
         }
-        // A lone decode row samples on the device where the backend and the request allow it
-        // (only its id comes back); any other step samples on the host, so a request that was
-        // sampled on the device takes its RNG state back first.
-        let lone = rows.len() == 1
-            && drafts[0].is_empty()
-            && rows[0].seq.tokens.len() == rows[0].seq.n_cached + 1;
-        for s in rows.iter_mut() {
-            if lone && s.req.device.is_none() {
+        // A decode row without drafts samples on the device where the backend and its request
+        // allow it (every such row of the step in one go: only their ids come back); rows with
+        // drafts sample on the host, so a request sampled on the device takes its RNG state
+        // back first.
+        for (s, d) in rows.iter_mut().zip(&drafts) {
+            let single = d.is_empty() && s.seq.tokens.len() == s.seq.n_cached + 1;
+            if single && s.req.device.is_none() {
                 if let Some(ds) = s.req.device_sampling(runner.vocab_size()) {
                     s.req.device = runner.model.backend.device_sampler(&ds);
                     if s.req.device.is_none() {
@@ -428,34 +427,11 @@ impl Scheduler {
                     }
                 }
             }
-            if !lone {
+            if !single {
                 if let Some(d) = &s.req.device {
                     let rng = runner.model.backend.device_sampler_rng(d)?;
                     s.req.leave_device(rng);
                 }
-            }
-        }
-        if lone {
-            let s = &mut rows[0];
-            if let Some(mut d) = s.req.device.take() {
-                self.stats.decode_rows += 1;
-                let window = s.req.penalty_window(&s.seq.tokens);
-                let reuse = self.cfg.reuse == Reuse::Most;
-                let id = runner.compute_sampled(&mut s.seq, &mut d, &window, reuse);
-                s.req.device = Some(d);
-                let id = id?;
-                let room = s.seq.tokens.len() + 1 < seq_len;
-                let mut ev = Vec::new();
-                let (next, alive) = s.req.on_device_token(id, tok, room, &mut ev);
-                out.extend(ev.into_iter().map(|e| (s.req.id, e)));
-                s.seq.tokens.extend(next);
-                if !alive {
-                    let id = s.req.id;
-                    for s in extract(&mut self.running, |s| s.req.id == id) {
-                        self.retire(s);
-                    }
-                }
-                return Ok(());
             }
         }
         // Logits from the last chosen token on: one row, or one per draft plus one.
@@ -464,11 +440,20 @@ impl Scheduler {
             .zip(&drafts)
             .map(|(s, d)| s.seq.tokens.len() - d.len() - 1)
             .collect();
-        let logits = {
+        let stepped = {
+            let windows: Vec<Vec<u32>> = rows
+                .iter()
+                .map(|s| match s.req.device {
+                    Some(_) => s.req.penalty_window(&s.seq.tokens),
+                    None => Vec::new(),
+                })
+                .collect();
             let mut seqs = Vec::with_capacity(rows.len());
+            let mut devices = Vec::with_capacity(rows.len());
             let mut constraints = Vec::new();
-            for s in rows.iter_mut() {
+            for (s, w) in rows.iter_mut().zip(&windows) {
                 seqs.push(&mut s.seq);
+                devices.push(s.req.device.as_mut().map(|d| (d, &w[..])));
                 constraints.extend(s.req.constraint.as_deref_mut());
             }
             self.stats.decode_rows += seqs
@@ -477,7 +462,7 @@ impl Scheduler {
                 .sum::<usize>() as u64;
             let reuse = self.cfg.reuse == Reuse::Most;
             if constraints.is_empty() {
-                runner.step(&mut seqs, &from, true, reuse)?
+                runner.step_sampled(&mut seqs, &from, &mut devices, true, reuse)?
             } else {
                 // Each constrained sequence's next mask is computed while the forward runs;
                 // a failure shows again (as the request's error) when the mask is applied.
@@ -487,16 +472,30 @@ impl Scheduler {
                             let _ = c.prepare();
                         }
                     });
-                    let logits = runner.step(&mut seqs, &from, true, reuse);
+                    let stepped = runner.step_sampled(&mut seqs, &from, &mut devices, true, reuse);
                     if let Err(panic) = masks.join() {
                         std::panic::resume_unwind(panic);
                     }
-                    logits
+                    stepped
                 })?
             }
         };
         let mut done = Vec::new();
-        for ((s, rows), d) in rows.iter_mut().zip(logits).zip(drafts) {
+        for ((s, stepped), d) in rows.iter_mut().zip(stepped).zip(drafts) {
+            let rows = match stepped {
+                Stepped::Logits(rows) => rows,
+                Stepped::Token(id) => {
+                    let room = s.seq.tokens.len() + 1 < seq_len;
+                    let mut ev = Vec::new();
+                    let (next, alive) = s.req.on_device_token(id, tok, room, &mut ev);
+                    out.extend(ev.into_iter().map(|e| (s.req.id, e)));
+                    s.seq.tokens.extend(next);
+                    if !alive {
+                        done.push(s.req.id);
+                    }
+                    continue;
+                }
+            };
             let base = s.seq.tokens.len() - d.len();
             let (mut accepted, mut alive) = (0, true);
             for (j, l) in rows.iter().enumerate() {

@@ -14,8 +14,8 @@ use crate::kernels::cpu::backend::{CpuAct, CpuBackend, CpuKv, CpuWeight};
 use crate::kernels::cuda::backend::{CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight};
 use crate::model::backend::{
     attention_block_steps, ffn_dense_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch,
-    AttnShape, Backend, DeviceSampler, DeviceSampling, HeadCopy, KvType, MatmulJob, Rope,
-    WeightSource,
+    AttnShape, Backend, DevicePick, DeviceSampler, DeviceSampling, HeadCopy, KvType, MatmulJob,
+    Rope, WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -617,11 +617,10 @@ impl Backend for DeviceBackend {
     fn sample_on_device(
         &self,
         logits: &mut DevAct,
-        sampler: &mut DeviceSampler,
-        window: &[u32],
-    ) -> Result<u32> {
+        picks: &mut [DevicePick<'_>],
+    ) -> Result<Vec<u32>> {
         match logits {
-            DevAct::Cuda(x) => self.gpu().sample_on_device(x, sampler, window),
+            DevAct::Cuda(x) => self.gpu().sample_on_device(x, picks),
             DevAct::Cpu(_) => anyhow::bail!("device sampling of logits on the CPU"),
         }
     }

@@ -463,16 +463,14 @@ pub trait Backend {
     fn device_sampler(&self, _s: &DeviceSampling) -> Option<DeviceSampler> {
         None
     }
-    /// Picks a token from the last row of `logits` (the model's output, which this may change)
-    /// with a sampler from [`Backend::device_sampler`], advancing its RNG as the CPU sampler
-    /// would. `window` is the penalty window (the last `repeat_last_n` tokens of the history, or
-    /// nothing when no penalty is on).
+    /// Picks a token from each row `picks` name in `logits` (the model's output, whose picked
+    /// rows this may change) with each one's sampler from [`Backend::device_sampler`], in one
+    /// go, advancing each RNG as the CPU sampler would; returns the ids in `picks` order.
     fn sample_on_device(
         &self,
         _logits: &mut Self::Act,
-        _sampler: &mut DeviceSampler,
-        _window: &[u32],
-    ) -> Result<u32> {
+        _picks: &mut [DevicePick<'_>],
+    ) -> Result<Vec<u32>> {
         anyhow::bail!("the {} backend does not sample on the device", self.name())
     }
     /// The RNG state of a sampler from [`Backend::device_sampler`] (to go on on the host).
@@ -508,6 +506,16 @@ pub struct DeviceSampling {
     pub penalised: bool,
     /// The xoshiro256** state to continue from.
     pub rng: [u64; 4],
+}
+
+/// A row of a logits activation to sample on the device ([`Backend::sample_on_device`]).
+pub struct DevicePick<'a> {
+    /// The row of the activation.
+    pub row: usize,
+    pub sampler: &'a mut DeviceSampler,
+    /// Its penalty window: the last `repeat_last_n` tokens of its history, or nothing when no
+    /// penalty is on.
+    pub window: &'a [u32],
 }
 
 /// A backend's device-side sampler state (buffers and the RNG), opaque to the engine.

@@ -10,7 +10,8 @@
 use anyhow::{bail, Result};
 
 use crate::model::backend::{
-    AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend, DeviceSampler, Rope,
+    AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend, DevicePick, DeviceSampler,
+    Rope,
 };
 use crate::model::config::ModelConfig;
 use crate::model::weights::{Attn, Ffn, Weights};
@@ -28,6 +29,21 @@ pub struct BatchEntry<'a> {
     pub block_table: &'a [u32],
     /// Return logits for this entry.
     pub logits: bool,
+}
+
+/// What [`Model::forward_picked`] does with one logits row.
+pub enum Pick<'a> {
+    /// Brings the row back to the host.
+    Host,
+    /// Samples it where it is with this device sampler and penalty window.
+    Device(&'a mut DeviceSampler, &'a [u32]),
+}
+
+/// One logits row's outcome in [`Model::forward_picked`]: the row, or the token sampled from it.
+#[derive(Debug)]
+pub enum Picked {
+    Logits(Vec<f32>),
+    Token(u32),
 }
 
 pub struct Model<B: Backend> {
@@ -68,7 +84,7 @@ impl<B: Backend> Model<B> {
 
     /// Runs the batch and picks the next token from the last entry's logits where they are, with
     /// a sampler from [`Backend::device_sampler`] (`window`: its penalty window); the logits
-    /// never come back to the host. The last entry must want logits.
+    /// never come back to the host. The last entry, and only it, must want logits.
     pub fn forward_sample(
         &self,
         kv: &mut B::Kv,
@@ -79,10 +95,71 @@ impl<B: Backend> Model<B> {
         if !batch.last().is_some_and(|e| e.logits) {
             bail!("device sampling needs the last entry's logits");
         }
-        let mut logits = self
-            .forward_logits(kv, batch, self.cfg.n_layer)?
-            .expect("the last entry wants logits");
-        self.backend.sample_on_device(&mut logits, sampler, window)
+        match self.forward_picked(kv, batch, &mut [Pick::Device(sampler, window)])?[..] {
+            [Picked::Token(id)] => Ok(id),
+            _ => bail!("device sampling of one row gave no token"),
+        }
+    }
+
+    /// Runs the batch and handles each logits row (the entries that want logits, in batch
+    /// order; one [`Pick`] each) as its pick says: back to the host, or sampled where it is.
+    /// The rows sampled on the device are sampled together and only their ids come back; the
+    /// others are copied back alone.
+    pub fn forward_picked(
+        &self,
+        kv: &mut B::Kv,
+        batch: &[BatchEntry<'_>],
+        picks: &mut [Pick<'_>],
+    ) -> Result<Vec<Picked>> {
+        let be = &self.backend;
+        let want = batch.iter().filter(|e| e.logits).count();
+        if picks.len() != want {
+            bail!("{} picks for {want} logits rows", picks.len());
+        }
+        let Some(mut logits) = self.forward_logits(kv, batch, self.cfg.n_layer)? else {
+            return Ok(Vec::new());
+        };
+        let host: Vec<usize> = (0..want)
+            .filter(|&i| matches!(picks[i], Pick::Host))
+            .collect();
+        let mut device: Vec<DevicePick<'_>> = picks
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(row, p)| match p {
+                Pick::Device(sampler, window) => Some(DevicePick {
+                    row,
+                    sampler,
+                    window,
+                }),
+                Pick::Host => None,
+            })
+            .collect();
+        let ids = match device.is_empty() {
+            true => Vec::new(),
+            false => be.sample_on_device(&mut logits, &mut device)?,
+        };
+        let flat = match host.len() {
+            0 => Vec::new(),
+            h if h == want => be.take_host(logits),
+            _ => be.take_host(be.gather_rows(&logits, &host)),
+        };
+        let rows: Vec<Vec<f32>> = match host.len() {
+            1 => vec![flat], // decode: no copy of the one row
+            _ => flat
+                .chunks_exact(self.cfg.vocab_size)
+                .map(|r| r.to_vec())
+                .collect(),
+        };
+        let mut rows = rows.into_iter();
+        let mut ids = ids.into_iter();
+        let mut out = Vec::with_capacity(want);
+        for p in picks.iter() {
+            out.push(match p {
+                Pick::Host => Picked::Logits(rows.next().expect("a row per host pick")),
+                Pick::Device(..) => Picked::Token(ids.next().expect("an id per device pick")),
+            });
+        }
+        Ok(out)
     }
 
     /// The forward pass up to the logits of the entries that want them (a rows × vocabulary

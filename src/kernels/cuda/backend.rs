@@ -21,7 +21,8 @@ use super::sublayers::Q8Ready;
 use crate::format::GgmlType;
 use crate::model::backend::{
     attention_block_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend,
-    CacheType, DeviceSampler, DeviceSampling, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+    CacheType, DevicePick, DeviceSampler, DeviceSampling, HeadCopy, KvType, MatmulJob, Rope,
+    WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -69,8 +70,8 @@ impl CudaKv {
 
 pub struct CudaBackend {
     pub(super) l: Arc<dyn Launch>,
-    /// Grow-only scratch: q8_1 activations and attention partials.
-    pub(super) scratch: Mutex<[Option<DevBuf>; 2]>,
+    /// Grow-only scratch: q8_1 activations, attention partials, sampled rows.
+    pub(super) scratch: Mutex<[Option<DevBuf>; 3]>,
     /// Recently uploaded index tables (positions, KV slots, block tables), most recent first: a
     /// decode step asks for the same tables in every layer, so each is uploaded once per step.
     /// Kernels only read them.
@@ -87,9 +88,10 @@ pub struct CudaBackend {
 /// dropped (and freed before its launch) while it still needs it.
 const TABLES: usize = 8;
 
-/// Scratch buffers: q8_1 activations, attention partials.
+/// Scratch buffers: q8_1 activations, attention partials, sampled rows (records, windows, ids).
 pub(super) const Q8: usize = 0;
 pub(super) const PART: usize = 1;
+pub(super) const SAMPLE: usize = 2;
 
 /// Unwraps the result of an op; see the module docs for why this ends the process.
 pub(super) fn ok<T>(what: &str, r: Result<T>) -> T {
@@ -107,7 +109,7 @@ impl CudaBackend {
     pub fn new(l: Arc<dyn Launch>) -> CudaBackend {
         CudaBackend {
             l,
-            scratch: Mutex::new([None, None]),
+            scratch: Mutex::new([None, None, None]),
             tables: Mutex::new(Vec::with_capacity(TABLES)),
             epoch: AtomicU64::new(0),
             q8_ready: Mutex::new(None),
@@ -559,8 +561,6 @@ impl Backend for CudaBackend {
             Ok(CudaSampler {
                 s: s.clone(),
                 rng: DevBuf::from_bytes(&self.l, &rng)?,
-                out: DevBuf::new(&self.l, 4)?,
-                window: None,
             })
         })();
         match state {
@@ -575,43 +575,39 @@ impl Backend for CudaBackend {
     fn sample_on_device(
         &self,
         logits: &mut CudaAct,
-        sampler: &mut DeviceSampler,
-        window: &[u32],
-    ) -> Result<u32> {
-        let cs = sampler
-            .0
-            .downcast_mut::<CudaSampler>()
-            .ok_or_else(|| anyhow::anyhow!("a device sampler of another backend"))?;
-        anyhow::ensure!(logits.rows > 0, "sampling from no logits");
+        picks: &mut [DevicePick<'_>],
+    ) -> Result<Vec<u32>> {
         let n = logits.cols;
-        let row = logits.buf.ptr + ((logits.rows - 1) * n * 4) as u64;
-        let window = if cs.s.penalised { window } else { &[] };
-        let win = if window.is_empty() {
-            0
-        } else {
-            let bytes: Vec<u8> = window.iter().flat_map(|v| v.to_le_bytes()).collect();
-            if cs.window.as_ref().is_none_or(|b| b.bytes < bytes.len()) {
-                cs.window = None;
-                cs.window = Some(DevBuf::new(&self.l, bytes.len().next_power_of_two())?);
-            }
-            let w = cs.window.as_ref().map_or(0, |b| b.ptr);
-            self.l().upload(w, &bytes)?;
-            w
-        };
-        let wlen = window.len();
-        ops::sample(
-            self.l(),
-            row,
-            (win, wlen),
-            &cs.s,
-            cs.rng.ptr,
-            cs.out.ptr,
-            1,
-            n,
-        )?;
-        let mut id = [0u8; 4];
-        self.l.download(cs.out.ptr, &mut id)?;
-        Ok(u32::from_le_bytes(id))
+        let mut rows = Vec::with_capacity(picks.len());
+        for p in picks.iter() {
+            let cs = p
+                .sampler
+                .0
+                .downcast_ref::<CudaSampler>()
+                .ok_or_else(|| anyhow::anyhow!("a device sampler of another backend"))?;
+            anyhow::ensure!(
+                p.row < logits.rows,
+                "sampling row {} of {} logits rows",
+                p.row,
+                logits.rows
+            );
+            rows.push(ops::SampleRow {
+                logits: logits.buf.ptr + (p.row * n * 4) as u64,
+                rng: cs.rng.ptr,
+                window: p.window,
+                s: &cs.s,
+            });
+        }
+        // One upload of the rows' records and windows, one launch, one download of the ids.
+        let table = self.scratch(SAMPLE, ops::sample_table_bytes(&rows) + 4 * rows.len())?;
+        let out = table + ops::sample_table_bytes(&rows) as u64;
+        ops::sample(self.l(), &rows, table, n, out)?;
+        let mut ids = vec![0u8; 4 * rows.len()];
+        self.l.download(out, &mut ids)?;
+        Ok(ids
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect())
     }
 
     fn device_sampler_rng(&self, sampler: &DeviceSampler) -> Result<[u64; 4]> {
@@ -627,11 +623,9 @@ impl Backend for CudaBackend {
     }
 }
 
-/// [`CudaBackend`]'s device sampler: the kernel's parameters, the RNG state (4 u64), the chosen
-/// id and a penalty-window buffer (grown as needed), all in device memory.
+/// [`CudaBackend`]'s device sampler: the kernel's parameters and the RNG state (4 u64, in device
+/// memory; a step's rows, windows and ids go through the backend's sample scratch).
 struct CudaSampler {
     s: DeviceSampling,
     rng: DevBuf,
-    out: DevBuf,
-    window: Option<DevBuf>,
 }

@@ -587,41 +587,81 @@ pub fn top_k(
 /// Threads per block of the `sample` kernel (`SAMPLE_THREADS` in sample.cu).
 pub const SAMPLE_THREADS: u32 = 512;
 
-/// Samples one token from each of `rows` rows of `n` logits at `x` (penalised in place) into
-/// `out` (i32 a row), as `Sampler::sample` would: `win` holds `wlen` penalty-window ids a row,
-/// `rng` 4 u64 a row (advanced once a row unless greedy). See `cuda/sample.cu`.
-#[allow(clippy::too_many_arguments)]
+/// One row for the `sample` kernel: its logits, its RNG state (4 u64) and penalty window on the
+/// device, and its sampler.
+#[derive(Clone, Copy, Debug)]
+pub struct SampleRow<'a> {
+    /// Address of the row's `n` logits (penalised in place).
+    pub logits: u64,
+    /// Address of its xoshiro256** state (advanced once unless greedy).
+    pub rng: u64,
+    /// Its penalty window (read only when `s.penalised`).
+    pub window: &'a [u32],
+    pub s: &'a DeviceSampling,
+}
+
+/// Bytes of one row's record in a sample table (`SampleRow` in sample.cu).
+pub const SAMPLE_ROW_BYTES: usize = 72;
+
+/// Bytes [`sample`] needs at `table` for `rows`: the records, then every penalty window.
+pub fn sample_table_bytes(rows: &[SampleRow<'_>]) -> usize {
+    rows.len() * SAMPLE_ROW_BYTES + rows.iter().map(|r| 4 * r.window.len()).sum::<usize>()
+}
+
+/// Samples one token from each row of `rows` (rows of `n` logits, each with its own sampler)
+/// into `out` (i32 a row) in one launch, as `Sampler::sample` would for each: uploads the rows'
+/// records and windows to `table` (device memory of [`sample_table_bytes`]), then launches
+/// `sample` with one block a row. See `cuda/sample.cu`.
 pub fn sample(
     l: &dyn Launch,
-    x: u64,
-    (win, wlen): (u64, usize),
-    s: &DeviceSampling,
-    rng: u64,
-    out: u64,
-    rows: usize,
+    rows: &[SampleRow<'_>],
+    table: u64,
     n: usize,
+    out: u64,
 ) -> Result<()> {
-    if s.top_k > DEVICE_SAMPLE_MAX_K || (s.top_k > 0 && s.top_k >= n) {
-        bail!("sample: top-k {} for rows of {n}", s.top_k);
+    if rows.is_empty() {
+        return Ok(());
     }
-    let args = [
-        Arg::Ptr(x),
-        Arg::Ptr(win),
-        i32a(if s.penalised { wlen } else { 0 }),
-        i32a(s.penalised as usize),
-        Arg::F32(s.repeat_penalty),
-        Arg::F32(s.frequency_penalty),
-        Arg::F32(s.presence_penalty),
-        i32a(n),
-        i32a(s.top_k),
-        Arg::F32(s.top_p),
-        Arg::F32(s.min_p),
-        Arg::F32(s.ln_min_p),
-        Arg::F32(s.inv_temp),
-        Arg::Ptr(rng),
-        Arg::Ptr(out),
-    ];
-    l.launch("sample", [rows as u32, 1, 1], [SAMPLE_THREADS, 1, 1], &args)
+    let mut bytes = Vec::with_capacity(sample_table_bytes(rows));
+    let mut win = table + (rows.len() * SAMPLE_ROW_BYTES) as u64;
+    for r in rows {
+        let s = r.s;
+        if s.top_k > DEVICE_SAMPLE_MAX_K || (s.top_k > 0 && s.top_k >= n) {
+            bail!("sample: top-k {} for rows of {n}", s.top_k);
+        }
+        let wlen = if s.penalised { r.window.len() } else { 0 };
+        bytes.extend(r.logits.to_le_bytes());
+        bytes.extend(r.rng.to_le_bytes());
+        bytes.extend(win.to_le_bytes());
+        for v in [wlen, s.penalised as usize, s.top_k, 0] {
+            bytes.extend((v as i32).to_le_bytes());
+        }
+        for v in [
+            s.repeat_penalty,
+            s.frequency_penalty,
+            s.presence_penalty,
+            s.top_p,
+            s.min_p,
+            s.ln_min_p,
+            s.inv_temp,
+            0.0,
+        ] {
+            bytes.extend(v.to_le_bytes());
+        }
+        win += 4 * wlen as u64;
+    }
+    debug_assert_eq!(bytes.len(), rows.len() * SAMPLE_ROW_BYTES);
+    for r in rows.iter().filter(|r| r.s.penalised) {
+        bytes.extend(r.window.iter().flat_map(|v| v.to_le_bytes()));
+    }
+    l.upload(table, &bytes)?;
+    let args = [Arg::Ptr(table), i32a(n), Arg::Ptr(out)];
+    l.launch(
+        "sample",
+        [rows.len() as u32, 1, 1],
+        [SAMPLE_THREADS, 1, 1],
+        &args,
+    )
 }
 
 /// The attention problem for [`attention`]: buffers and sizes.
