@@ -79,14 +79,16 @@ __device__ __forceinline__ unsigned long long sample_next_u64(unsigned long long
 /// state and penalty window are, and its sampler's parameters. Rows of one launch may belong to
 /// different requests, so each carries its own.
 struct SampleRow {
-  unsigned long long logits;  // float[n]: the row, penalised in place
+  unsigned long long row;     // its row of x (n floats), penalised in place
   unsigned long long rng;     // u64[4]: its xoshiro256** state
   unsigned long long win;     // int[wlen]: its penalty window
   int wlen, pen, k, pad;
   float repeat_penalty, frequency_penalty, presence_penalty, top_p, min_p, ln_min_p, inv_temp, pad2;
 };
 
-/// One token for each row of `rows` (rows of n logits), as the CPU `Sampler::sample` picks it.
+/// One token for each row of `rows` (rows of n logits in `x`), as the CPU `Sampler::sample` picks
+/// it. The table holds no activation address, so a step whose rows, RNG states and windows are the
+/// last step's (greedy without penalties, say) launches on the table already uploaded.
 /// - Penalties: `win` holds the row's penalty window (the last repeat_last_n history tokens, ids
 ///   outside the vocabulary ignored); each distinct id's logit is penalised once, in place in
 ///   the logits (the row is not the model's output any more afterwards).
@@ -98,7 +100,7 @@ struct SampleRow {
 /// `pen` = 1 when any penalty is on (the CPU skips the subtraction when frequency and presence
 /// are both 0). grid (rows), block (SAMPLE_THREADS); out: one int a row.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample(const SampleRow* __restrict__ rows, int n, int* __restrict__ out) {
+    sample(const SampleRow* __restrict__ rows, float* x, int n, int* __restrict__ out) {
   __shared__ unsigned long long cand[SAMPLE_MAX_K];
   __shared__ float w1[SAMPLE_MAX_K];
   __shared__ float wt[SAMPLE_MAX_K];
@@ -109,7 +111,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
   __shared__ unsigned sel_prefix, sel_mask, sel_need, n_above;
   const int tid = threadIdx.x;
   const SampleRow row = rows[blockIdx.x];
-  float* xr = reinterpret_cast<float*>(row.logits);
+  float* xr = x + (size_t)row.row * n;
   const int* win = reinterpret_cast<const int*>(row.win);
   const int wlen = row.wlen, pen = row.pen, k = row.k;
   const float repeat_penalty = row.repeat_penalty, frequency_penalty = row.frequency_penalty;

@@ -114,6 +114,7 @@ fn run_rows(
         })
         .collect();
     let mut wrong = vec![0; m];
+    let mut last = Vec::new(); // the table last uploaded (greedy rows reuse it)
     for step in 0..steps {
         let mut want = Vec::with_capacity(m);
         let mut x = Vec::with_capacity(m * n);
@@ -129,13 +130,13 @@ fn run_rows(
         let samplings: Vec<_> = cpus.iter().map(|c| c.device_sampling(n)).collect();
         let rows: Vec<ops::SampleRow<'_>> = (0..m)
             .map(|r| ops::SampleRow {
-                logits: xd.ptr + (r * n * 4) as u64,
+                row: r,
                 rng: rngs[r].ptr,
                 window: &windows[r],
                 s: samplings[r].as_ref().expect("checked above"),
             })
             .collect();
-        ops::sample(&**l, &rows, table.ptr, n, out)?;
+        ops::sample(&**l, &rows, table.ptr, &mut last, xd.ptr, n, out)?;
         let mut b = vec![0u8; 4 * m];
         l.download(out, &mut b)?;
         for r in 0..m {

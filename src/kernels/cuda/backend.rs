@@ -72,6 +72,9 @@ pub struct CudaBackend {
     pub(super) l: Arc<dyn Launch>,
     /// Grow-only scratch: q8_1 activations, attention partials, sampled rows.
     pub(super) scratch: Mutex<[Option<DevBuf>; 3]>,
+    /// The sample table last uploaded to the `SAMPLE` scratch buffer (so an unchanged one is
+    /// not uploaded again).
+    sample_table: Mutex<Vec<u8>>,
     /// Recently uploaded index tables (positions, KV slots, block tables), most recent first: a
     /// decode step asks for the same tables in every layer, so each is uploaded once per step.
     /// Kernels only read them.
@@ -110,6 +113,7 @@ impl CudaBackend {
         CudaBackend {
             l,
             scratch: Mutex::new([None, None, None]),
+            sample_table: Mutex::new(Vec::new()),
             tables: Mutex::new(Vec::with_capacity(TABLES)),
             epoch: AtomicU64::new(0),
             q8_ready: Mutex::new(None),
@@ -152,6 +156,13 @@ impl CudaBackend {
     pub(super) fn scratch(&self, which: usize, bytes: usize) -> Result<u64> {
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         if s[which].as_ref().is_none_or(|b| b.bytes < bytes) {
+            if which == SAMPLE {
+                // The new buffer holds no table yet (even at the old address).
+                self.sample_table
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clear();
+            }
             s[which] = None; // free first: the old one is not needed any more
             s[which] = Some(DevBuf::new(&self.l, bytes.next_power_of_two())?);
         }
@@ -592,16 +603,20 @@ impl Backend for CudaBackend {
                 logits.rows
             );
             rows.push(ops::SampleRow {
-                logits: logits.buf.ptr + (p.row * n * 4) as u64,
+                row: p.row,
                 rng: cs.rng.ptr,
                 window: p.window,
                 s: &cs.s,
             });
         }
-        // One upload of the rows' records and windows, one launch, one download of the ids.
-        let table = self.scratch(SAMPLE, ops::sample_table_bytes(&rows) + 4 * rows.len())?;
-        let out = table + ops::sample_table_bytes(&rows) as u64;
-        ops::sample(self.l(), &rows, table, n, out)?;
+        // At most one upload of the rows' records and windows (none when they are the last
+        // step's), one launch, one download of the ids.
+        let need = ops::sample_table_bytes(&rows);
+        let table = self.scratch(SAMPLE, need + 4 * rows.len())?;
+        let out = table + need as u64; // after the table: the kernel never writes the table
+        let mut last = self.sample_table.lock().unwrap_or_else(|p| p.into_inner());
+        ops::sample(self.l(), &rows, table, &mut last, logits.buf.ptr, n, out)?;
+        drop(last);
         let mut ids = vec![0u8; 4 * rows.len()];
         self.l.download(out, &mut ids)?;
         Ok(ids

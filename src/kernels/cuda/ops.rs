@@ -591,8 +591,8 @@ pub const SAMPLE_THREADS: u32 = 512;
 /// device, and its sampler.
 #[derive(Clone, Copy, Debug)]
 pub struct SampleRow<'a> {
-    /// Address of the row's `n` logits (penalised in place).
-    pub logits: u64,
+    /// The row of the logits (`n` floats at `x + 4 n row`; penalised in place).
+    pub row: usize,
     /// Address of its xoshiro256** state (advanced once unless greedy).
     pub rng: u64,
     /// Its penalty window (read only when `s.penalised`).
@@ -608,14 +608,18 @@ pub fn sample_table_bytes(rows: &[SampleRow<'_>]) -> usize {
     rows.len() * SAMPLE_ROW_BYTES + rows.iter().map(|r| 4 * r.window.len()).sum::<usize>()
 }
 
-/// Samples one token from each row of `rows` (rows of `n` logits, each with its own sampler)
-/// into `out` (i32 a row) in one launch, as `Sampler::sample` would for each: uploads the rows'
-/// records and windows to `table` (device memory of [`sample_table_bytes`]), then launches
-/// `sample` with one block a row. See `cuda/sample.cu`.
+/// Samples one token from each row of `rows` (rows of `n` logits at `x`, each with its own
+/// sampler) into `out` (i32 a row) in one launch, as `Sampler::sample` would for each: uploads the
+/// rows' records and windows to `table` (device memory of [`sample_table_bytes`]) unless they
+/// equal `last` (what the caller last uploaded there, updated here), then launches `sample` with
+/// one block a row. See `cuda/sample.cu`.
+#[allow(clippy::too_many_arguments)]
 pub fn sample(
     l: &dyn Launch,
     rows: &[SampleRow<'_>],
     table: u64,
+    last: &mut Vec<u8>,
+    x: u64,
     n: usize,
     out: u64,
 ) -> Result<()> {
@@ -630,7 +634,7 @@ pub fn sample(
             bail!("sample: top-k {} for rows of {n}", s.top_k);
         }
         let wlen = if s.penalised { r.window.len() } else { 0 };
-        bytes.extend(r.logits.to_le_bytes());
+        bytes.extend((r.row as u64).to_le_bytes());
         bytes.extend(r.rng.to_le_bytes());
         bytes.extend(win.to_le_bytes());
         for v in [wlen, s.penalised as usize, s.top_k, 0] {
@@ -654,8 +658,11 @@ pub fn sample(
     for r in rows.iter().filter(|r| r.s.penalised) {
         bytes.extend(r.window.iter().flat_map(|v| v.to_le_bytes()));
     }
-    l.upload(table, &bytes)?;
-    let args = [Arg::Ptr(table), i32a(n), Arg::Ptr(out)];
+    if *last != bytes {
+        l.upload(table, &bytes)?;
+        *last = bytes;
+    }
+    let args = [Arg::Ptr(table), Arg::Ptr(x), i32a(n), Arg::Ptr(out)];
     l.launch(
         "sample",
         [rows.len() as u32, 1, 1],
