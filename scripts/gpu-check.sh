@@ -91,6 +91,28 @@ done
 step kvtypes-qwen 45 "$BIN" bench --device "$DEVICE" -m "$WORK/qwen.gguf" -d "$KDEPTH" -p 0 -n 32 -r 1 \
     --kv-types f16,q8_0,q4_0 --json
 
+# The headline figures, one line per output, read from the JSON with grep alone (the device
+# machine may have no python): decode t/s and its share of the bandwidth measured in the same
+# run, pp, and the batched levels' aggregate t/s and speed-up over one sequence.
+field() { grep -o "\"$1\":[^,}]*" "$2" | head -n "${3:-1}" | tail -n 1 | cut -d: -f2; }
+{
+    for f in "$OUT"/bench-*.out; do
+        [ -s "$f" ] || continue
+        printf '%-22s bandwidth %s GB/s  decode efficiency %s' "$(basename "$f" .out)" \
+            "$(field median "$f")" "$(field decode_efficiency "$f")"
+        grep -o '"test":"[a-z]*[0-9]*","kv_cache_type":"[a-z0-9_]*","tps_median":[0-9.]*' "$f" |
+            sed 's/"test":"\([^"]*\)".*"tps_median":\([0-9.]*\)/  \1 \2 t\/s/' | tr -d '\n'
+        echo
+    done
+    for f in "$OUT"/batched-*.out; do
+        [ -s "$f" ] || continue
+        printf '%-22s' "$(basename "$f" .out)"
+        grep -o '"concurrency":[0-9]*,"aggregate_tps_median":[0-9.]*,"aggregate_tps_rounds":[^]]*],"speedup_vs_1":[0-9.]*' "$f" |
+            sed 's/"concurrency":\([0-9]*\),"aggregate_tps_median":\([0-9.]*\).*"speedup_vs_1":\([0-9.]*\)/  x\1 \2 t\/s (\3x)/' | tr -d '\n'
+        echo
+    done
+} > "$OUT/figures.txt" 2>&1
+
 rm -rf "$WORK"
-cat "$SUMMARY"
+cat "$SUMMARY" "$OUT/figures.txt"
 ! grep -qv 'rc=0 ' "$SUMMARY"
