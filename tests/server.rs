@@ -290,8 +290,12 @@ fn chat_page_streams_an_answer_in_chromium() {
             &server.url,
             "--screenshot",
             &shot,
+            // Greedy, and an answer of 20 tokens: the page's own temperature (0.7) once gave a
+            // one-token "Hello" that could not be seen streaming.
+            "--temperature",
+            "0",
             "--message",
-            "Say hello in five words.",
+            "Count from one to ten in words.",
         ],
     );
     let result: Value = serde_json::from_str(out.lines().last().unwrap_or("{}")).unwrap();

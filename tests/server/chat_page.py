@@ -142,6 +142,9 @@ def drive(cdp, args):
     if args.max_tokens:  # a setting, not under test: set it directly
         cdp.js(f"(e => {{ e.value = '{int(args.max_tokens)}'; e.dispatchEvent(new Event('change')); }})"
                f"(document.getElementById('max-tokens'))")
+    if args.temperature is not None:  # likewise (0: the greedy answer, the same every run)
+        cdp.js(f"(e => {{ e.value = '{float(args.temperature)}'; e.dispatchEvent(new Event('change')); }})"
+               f"(document.getElementById('temperature'))")
 
     def center(sel):
         r = json.loads(cdp.js(f"JSON.stringify(document.querySelector('{sel}').getBoundingClientRect())"))
@@ -209,6 +212,7 @@ def main():
     p.add_argument("--screenshot", help="save a PNG screenshot here")
     p.add_argument("--message", default="Say hello in five words.")
     p.add_argument("--max-tokens", type=int, default=48, help="value put into the page's max tokens field (0: keep)")
+    p.add_argument("--temperature", type=float, default=None, help="value put into the page's temperature field")
     p.add_argument("--timeout", type=float, default=120)
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="chat_page_")
