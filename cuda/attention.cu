@@ -65,6 +65,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                const int* __restrict__ meta, float* __restrict__ part, int n_head, int n_head_kv,
                int head_dim, int block_size, int kv_dim, float scale, int n_split,
                float* __restrict__ out, uint8_t* __restrict__ q8) {
+  PDL_ENTRY();
   __shared__ float qs[ATTN_MAX_G * ATTN_MAX_HD];
   __shared__ float sc[ATTN_MAX_G * ATTN_SPLIT];
   __shared__ int slot[ATTN_SPLIT];
@@ -148,6 +149,7 @@ EMU_EXPORT(attn_split)
 extern "C" __global__ void __launch_bounds__(128)
     attn_merge(const float* __restrict__ part, float* __restrict__ out, int n_head, int head_dim,
                int n_split, uint8_t* __restrict__ q8) {
+  PDL_ENTRY();
   const int qi = blockIdx.x, h = blockIdx.y, hd = head_dim;
   const float* rec = part + ((size_t)qi * n_head + h) * n_split * (hd + 2);
   float M = NEG_INF;
@@ -185,6 +187,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                  const int* __restrict__ meta, float* __restrict__ part, int n_head, int n_head_kv,
                  int head_dim, int block_size, int kv_dim, float scale, int n_split,
                  float* __restrict__ out, uint8_t* __restrict__ q8, int k_type, int v_type) {
+  PDL_ENTRY();
   __shared__ float qs[ATTN_MAX_G * ATTN_MAX_HD];           // f16 K: the group's query heads
   __shared__ int qq[ATTN_MAX_G * ATTN_MAX_HD / 4];         // quantized K: their q8_0 bytes
   __shared__ float qd[ATTN_MAX_G * ATTN_MAX_HD / 32];      // and block scales
@@ -339,6 +342,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                  const int* __restrict__ meta, const int* __restrict__ tiles,
                  float* __restrict__ out, int n_head, int n_head_kv, int head_dim,
                  int block_size, int kv_dim, float scale) {
+  PDL_ENTRY();
   __shared__ float qs[PF_T * ATTN_MAX_HD];
   __shared__ __half ks[PF_KC * (ATTN_MAX_HD + 2)];
   __shared__ __half vs[PF_KC * ATTN_MAX_HD];
@@ -440,6 +444,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                    const int* __restrict__ meta, const int* __restrict__ tiles,
                    float* __restrict__ out, int n_head, int n_head_kv, int head_dim,
                    int block_size, int kv_dim, float scale, int k_type, int v_type) {
+  PDL_ENTRY();
   __shared__ float qs[PF_T * ATTN_MAX_HD];
   __shared__ int ks[PF_KC * PFQ_ROW_WORDS];
   __shared__ int vs[PF_KC * PFQ_ROW_WORDS];

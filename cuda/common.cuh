@@ -22,6 +22,26 @@ typedef unsigned long long uint64_t;
 #define EMU_EXPORT(name)
 #endif
 
+// Programmatic dependent launch (sm_90+; src/kernels/cuda/graphs.rs, INFER_CUDA_PDL=1): the next
+// kernel of a decode step may start while this one finishes. Every kernel opens with PDL_ENTRY():
+// it waits until the kernel before it has completed and its writes are visible, then lets the next
+// one launch. The rule that makes this safe: nothing before the wait reads an activation or writes
+// anything, so a kernel never overwrites what its predecessor still reads nor reads what it has not
+// written; and since every thread of every kernel waits before it can exit, no grid completes
+// before its predecessor has, so the dependency is transitive (a kernel may read what any earlier
+// one wrote). Launched without the attribute (and on older GPUs and the emulator) both are no-ops.
+#if !defined(INFER_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTRY()                                   \
+  do {                                                \
+    asm volatile("griddepcontrol.wait;" ::: "memory"); \
+    asm volatile("griddepcontrol.launch_dependents;"); \
+  } while (0)
+#else
+#define PDL_ENTRY() \
+  do {              \
+  } while (0)
+#endif
+
 #define FULL_MASK 0xffffffffu
 #define QK 32    // elements per q8_1 activation block (and per Q4_0/Q5_0/Q8_0 block)
 #define QK_K 256 // elements per k-quant super-block

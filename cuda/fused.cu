@@ -18,6 +18,7 @@ extern "C" __global__ void __launch_bounds__(256)
     add_rms_norm_q8(float* x, const float* __restrict__ y, const float* __restrict__ yw,
                     const float* __restrict__ w, float* __restrict__ out,
                     uint8_t* __restrict__ q8, int n, float eps) {
+  PDL_ENTRY();
   __shared__ float scratch[32];
   float* xr = x + (size_t)blockIdx.x * n;
   float* o = out + (size_t)blockIdx.x * n;
@@ -65,6 +66,7 @@ extern "C" __global__ void __launch_bounds__(128)
             const float* __restrict__ qn, const float* __restrict__ kn, int n_head, int n_head_kv,
             int head_dim, float theta_scale, int neox, float q_scale, float eps, int k_type,
             int v_type) {
+  PDL_ENTRY();
   __shared__ float scratch[32];
   __shared__ float kvh_buf[2][256];  // a quantized cache's K and V head, before its blocks
   const int r = blockIdx.x, h = blockIdx.y, half = head_dim / 2;
@@ -146,6 +148,7 @@ EMU_EXPORT(rope_kv)
 extern "C" __global__ void __launch_bounds__(128)
     glu_q8(float* gate, const float* __restrict__ up, uint8_t* __restrict__ q8, long long n,
            int act) {
+  PDL_ENTRY();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;  // whole warps: n % 32 == 0
   const float y = glu_act(gate[i], act) * up[i];

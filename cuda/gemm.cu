@@ -179,6 +179,7 @@ __device__ __forceinline__ void gemm_q(const uint8_t* __restrict__ w, const uint
 #define GEMM_Q(T, name)                                                                            \
   extern "C" __global__ void __launch_bounds__(128) name(const uint8_t* w, const uint8_t* xq,     \
                                                          float* out, int rows, int cols, int nt) { \
+    PDL_ENTRY();                                                                                   \
     gemm_q<T>(w, xq, out, rows, cols, nt);                                                         \
   }                                                                                                \
   EMU_EXPORT(name)

@@ -205,6 +205,7 @@ __device__ __forceinline__ void gemv_float(const W* __restrict__ w, const float*
   extern "C" __global__ void __launch_bounds__(128)                                                \
       name(const uint8_t* w, const uint8_t* xq, float* out, int rows, int cols, int nt,            \
            const float* bias) {                                                                    \
+    PDL_ENTRY();                                                                                   \
     gemv_q<T>(w, xq, out, rows, cols, nt, bias, blockIdx.x);                                       \
   }                                                                                                \
   EMU_EXPORT(name)
@@ -290,6 +291,7 @@ __device__ __forceinline__ void gemv_q4k(const uint8_t* __restrict__ w,
 extern "C" __global__ void __launch_bounds__(128)
     gemv_q4_k(const uint8_t* w, const uint8_t* xq, float* out, int rows, int cols, int nt,
               const float* bias) {
+  PDL_ENTRY();
   gemv_q4k(w, xq, out, rows, cols, nt, bias, blockIdx.x);
 }
 EMU_EXPORT(gemv_q4_k)
@@ -361,6 +363,7 @@ __device__ __forceinline__ void gemv_q6k(const uint8_t* __restrict__ w,
 extern "C" __global__ void __launch_bounds__(128)
     gemv_q6_k(const uint8_t* w, const uint8_t* xq, float* out, int rows, int cols, int nt,
               const float* bias) {
+  PDL_ENTRY();
   gemv_q6k(w, xq, out, rows, cols, nt, bias, blockIdx.x);
 }
 EMU_EXPORT(gemv_q6_k)
@@ -374,6 +377,7 @@ EMU_EXPORT(gemv_q6_k)
       name(const uint8_t* xq, int cols, int nt, const uint8_t* w0, float* out0, const float* b0,   \
            int rows0, const uint8_t* w1, float* out1, const float* b1, int rows1,                  \
            const uint8_t* w2, float* out2, const float* b2, int rows2) {                           \
+    PDL_ENTRY();                                                                                   \
     const int n0 = (rows0 + GEMV_ROWS - 1) / GEMV_ROWS, n1 = (rows1 + GEMV_ROWS - 1) / GEMV_ROWS;  \
     const int rb = blockIdx.x;                                                                     \
     if (rb < n0) {                                                                                 \
@@ -394,6 +398,7 @@ GEMV_MULTI(gemv_q6k, gemv_multi_q6_k)
 extern "C" __global__ void __launch_bounds__(128)
     gemv_f16(const __half* w, const float* x, float* out, int rows, int cols, int nt,
              const float* bias) {
+  PDL_ENTRY();
   gemv_float<__half>(w, x, out, rows, cols, nt, bias);
 }
 EMU_EXPORT(gemv_f16)
@@ -401,6 +406,7 @@ EMU_EXPORT(gemv_f16)
 extern "C" __global__ void __launch_bounds__(128)
     gemv_f32(const float* w, const float* x, float* out, int rows, int cols, int nt,
              const float* bias) {
+  PDL_ENTRY();
   gemv_float<float>(w, x, out, rows, cols, nt, bias);
 }
 EMU_EXPORT(gemv_f32)
@@ -409,6 +415,7 @@ EMU_EXPORT(gemv_f32)
 /// blocks are contiguous), as `q8_1_warp`. Block (128), grid (ceil(n_blocks / 4)).
 extern "C" __global__ void __launch_bounds__(128)
     quantize_q8_1(const float* __restrict__ x, uint8_t* __restrict__ out, int n_blocks) {
+  PDL_ENTRY();
   const int b = blockIdx.x * 4 + threadIdx.x / 32;
   if (b >= n_blocks) return;
   q8_1_warp(x[(size_t)b * 32 + threadIdx.x % 32], out + (size_t)b * Q8_1_BYTES);
@@ -436,6 +443,7 @@ __device__ __forceinline__ void get_rows_q(const uint8_t* w, const int* ids, flo
 #define GET_ROWS_Q(T, name)                                                                       \
   extern "C" __global__ void name(const uint8_t* w, const int* ids, float* out, int cols,         \
                                   float scale) {                                                  \
+    PDL_ENTRY();                                                                                  \
     get_rows_q<T>(w, ids, out, cols, scale);                                                      \
   }                                                                                               \
   EMU_EXPORT(name)
@@ -455,12 +463,14 @@ __device__ __forceinline__ void get_rows_float(const W* w, const int* ids, float
 
 extern "C" __global__ void get_rows_f16(const __half* w, const int* ids, float* out, int cols,
                                         float scale) {
+  PDL_ENTRY();
   get_rows_float<__half>(w, ids, out, cols, scale);
 }
 EMU_EXPORT(get_rows_f16)
 
 extern "C" __global__ void get_rows_f32(const float* w, const int* ids, float* out, int cols,
                                         float scale) {
+  PDL_ENTRY();
   get_rows_float<float>(w, ids, out, cols, scale);
 }
 EMU_EXPORT(get_rows_f32)

@@ -8,6 +8,7 @@
 /// y = x / rms(x) * w over groups of n values; grid (n_groups), block (256). y may be x.
 extern "C" __global__ void __launch_bounds__(256)
     rms_norm(const float* x, const float* __restrict__ w, float* y, int n, float eps) {
+  PDL_ENTRY();
   __shared__ float scratch[32];
   const float* xr = x + (size_t)blockIdx.x * n;
   float* yr = y + (size_t)blockIdx.x * n;
@@ -25,6 +26,7 @@ EMU_EXPORT(rms_norm)
 extern "C" __global__ void __launch_bounds__(256)
     rope(float* x, const int* __restrict__ pos, const float* __restrict__ ff, int rows, int cols,
          int head_dim, float theta_scale, int neox) {
+  PDL_ENTRY();
   const int half = head_dim / 2, pairs_per_row = cols / 2;
   const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (p >= (long long)rows * pairs_per_row) return;
@@ -63,6 +65,7 @@ __device__ __forceinline__ float glu_act(float g, int act) {
 /// gate = act(gate) * up over n values (`glu_act`). grid (ceil(n / 256)), block (256).
 extern "C" __global__ void __launch_bounds__(256)
     glu(float* gate, const float* __restrict__ up, long long n, int act) {
+  PDL_ENTRY();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   gate[i] = glu_act(gate[i], act) * up[i];
@@ -71,6 +74,7 @@ EMU_EXPORT(glu)
 
 /// x += y over n values. grid (ceil(n / 256)), block (256).
 extern "C" __global__ void add(float* x, const float* __restrict__ y, long long n) {
+  PDL_ENTRY();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) x[i] += y[i];
 }
@@ -78,6 +82,7 @@ EMU_EXPORT(add)
 
 /// x *= s over n values.
 extern "C" __global__ void scale(float* x, float s, long long n) {
+  PDL_ENTRY();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) x[i] *= s;
 }
@@ -85,6 +90,7 @@ EMU_EXPORT(scale)
 
 /// out[r][c] += bias[c] for rows × cols.
 extern "C" __global__ void add_bias(float* out, const float* __restrict__ bias, int rows, int cols) {
+  PDL_ENTRY();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < (long long)rows * cols) out[i] += bias[i % cols];
 }
@@ -95,6 +101,7 @@ EMU_EXPORT(add_bias)
 extern "C" __global__ void add_rows_scaled(float* x, const float* __restrict__ y,
                                            const int* __restrict__ rows,
                                            const float* __restrict__ scales, int cols) {
+  PDL_ENTRY();
   float* xr = x + (size_t)rows[blockIdx.x] * cols;
   const float* yr = y + (size_t)blockIdx.x * cols;
   const float s = scales[blockIdx.x];
@@ -105,6 +112,7 @@ EMU_EXPORT(add_rows_scaled)
 /// out[i] = x[idx[i]], rows of `cols`; grid (n), block (256).
 extern "C" __global__ void gather_rows(const float* __restrict__ x, const int* __restrict__ idx,
                                        float* __restrict__ out, int cols) {
+  PDL_ENTRY();
   const float* xr = x + (size_t)idx[blockIdx.x] * cols;
   for (int c = threadIdx.x; c < cols; c += blockDim.x) out[(size_t)blockIdx.x * cols + c] = xr[c];
 }
@@ -114,6 +122,7 @@ EMU_EXPORT(gather_rows)
 extern "C" __global__ void copy_heads(const float* __restrict__ src, float* __restrict__ dst,
                                       int src_cols, int dst_cols, int src_hd, int src_off,
                                       int dst_hd, int dst_off, int width) {
+  PDL_ENTRY();
   const int row = blockIdx.x, h = blockIdx.y, src_heads = src_cols / src_hd;
   const float* s = src + (size_t)row * src_cols + (h % src_heads) * src_hd + src_off;
   float* d = dst + (size_t)row * dst_cols + h * dst_hd + dst_off;
@@ -126,6 +135,7 @@ EMU_EXPORT(copy_heads)
 extern "C" __global__ void kv_write(__half* __restrict__ kc, __half* __restrict__ vc,
                                     const float* __restrict__ k, const float* __restrict__ v,
                                     const int* __restrict__ slots, int kv_dim) {
+  PDL_ENTRY();
   const size_t dst = (size_t)slots[blockIdx.x] * kv_dim, src = (size_t)blockIdx.x * kv_dim;
   for (int c = threadIdx.x; c < kv_dim; c += blockDim.x) {
     kc[dst + c] = __float2half_rn(k[src + c]);
@@ -141,6 +151,7 @@ extern "C" __global__ void __launch_bounds__(128)
     kv_write_q(uint8_t* __restrict__ kc, uint8_t* __restrict__ vc, const float* __restrict__ k,
                const float* __restrict__ v, const int* __restrict__ slots, int kv_dim, int k_type,
                int v_type) {
+  PDL_ENTRY();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nb = kv_dim / 32;
   const size_t slot = (size_t)slots[blockIdx.x], src = (size_t)blockIdx.x * kv_dim;
   for (int w = warp; w < 2 * nb; w += blockDim.x / 32) {  // warp-uniform
@@ -156,6 +167,7 @@ EMU_EXPORT(kv_write_q)
 /// chosen over a number). grid (rows), block (256).
 extern "C" __global__ void __launch_bounds__(256)
     argmax(const float* __restrict__ x, int* __restrict__ out, int cols) {
+  PDL_ENTRY();
   __shared__ float sv[32];
   __shared__ int si[32];
   const float* xr = x + (size_t)blockIdx.x * cols;
@@ -181,6 +193,7 @@ EMU_EXPORT(argmax)
 extern "C" __global__ void __launch_bounds__(256)
     top_k(const float* __restrict__ x, int* __restrict__ out_idx, float* __restrict__ out_val,
           int cols, int k) {
+  PDL_ENTRY();
   __shared__ float sv[32];
   __shared__ int si[32];
   __shared__ float picked_v;

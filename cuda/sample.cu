@@ -101,6 +101,7 @@ struct SampleRow {
 /// are both 0). grid (rows), block (SAMPLE_THREADS); out: one int a row.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample(const SampleRow* __restrict__ rows, float* x, int n, int* __restrict__ out) {
+  PDL_ENTRY();
   __shared__ unsigned long long cand[SAMPLE_MAX_K];
   __shared__ float w1[SAMPLE_MAX_K];
   __shared__ float wt[SAMPLE_MAX_K];

@@ -10,10 +10,12 @@
 # (Qwen2.5-Coder-1.5B Q4_K_M, Gemma-3-270M Q4_K_M; random weights: `infer synth`), then runs
 # `infer selftest` (every CUDA kernel, and a whole forward of each file, against the CPU),
 # `infer bench --device cuda --json` (the device's bandwidth measured in the same run, pp512,
-# tg128, and batched decode through the scheduler at 1, 8 and 32 sequences) and
+# tg128, and batched decode through the scheduler at 1, 8 and 32 sequences),
 # `infer bench --profile` (every kernel of 16 decode steps at 512 positions timed alone: time
-# and bandwidth), and last, Qwen's decode at depth 4,096 with the KV cache in f16, q8_0 and q4_0
-# (`--kv-types`, timed in the same run).
+# and bandwidth), the selftest and benches again with programmatic dependent launch on
+# (INFER_CUDA_PDL=1: A/B in the same run), and last, Qwen's decode at depth 4,096 with the KV
+# cache in f16, q8_0 and q4_0 (`--kv-types`, timed in the same run). figures.txt gathers the
+# headline numbers.
 # Each step has its own time limit and nothing runs past BUDGET (470 s), so the whole run stays
 # under 8 minutes; a failed step is recorded in $OUT/summary.txt and the others still run. Every
 # GPU figure in a note comes from these files.
@@ -88,6 +90,17 @@ for m in qwen gemma; do
         -p "$CPROMPT" -n "$CGEN" -r 1 --shared-prefix 0 --json
     step "profile-$m" 45 "$BIN" bench --device "$DEVICE" -m "$WORK/$m.gguf" -d "$PDEPTH" -p 0 -n 16 -r 1 --profile
 done
+# Programmatic dependent launch (INFER_CUDA_PDL=1, off by default until measured): correctness
+# on the Qwen-shaped file first, then the same benches as above with it on.
+if [ "$DEVICE" = cuda ]; then
+    step selftest-qwen-pdl 90 env INFER_CUDA_PDL=1 "$BIN" selftest -m "$WORK/qwen.gguf"
+fi
+for m in qwen gemma; do
+    step "bench-$m-pdl" 60 env INFER_CUDA_PDL=1 "$BIN" bench --device "$DEVICE" -m "$WORK/$m.gguf" \
+        -p "$PP" -n "$TG" -r "$REPS" --json
+done
+step batched-qwen-pdl 60 env INFER_CUDA_PDL=1 "$BIN" bench --device "$DEVICE" -m "$WORK/qwen.gguf" \
+    --concurrency "$LEVELS" -p "$CPROMPT" -n "$CGEN" -r 1 --shared-prefix 0 --json
 step kvtypes-qwen 45 "$BIN" bench --device "$DEVICE" -m "$WORK/qwen.gguf" -d "$KDEPTH" -p 0 -n 32 -r 1 \
     --kv-types f16,q8_0,q4_0 --json
 

@@ -95,16 +95,65 @@ fn open() -> Result<Arc<CudaDriver>> {
     let module =
         loaded.map_err(|e| anyhow!("loading the kernels ({what}) on {name}: {}", cu(&e)))?;
     let stream = ctx.default_stream();
+    let graphs = std::env::var("INFER_CUDA_GRAPHS").as_deref() != Ok("0");
+    let mut version = 0;
+    // SAFETY: writes the driver's version into `version`; present in every CUDA driver.
+    let _ = unsafe { sys::cuDriverGetVersion(&mut version) };
+    let pdl = match pdl_choice(
+        std::env::var("INFER_CUDA_PDL").ok().as_deref(),
+        graphs,
+        major,
+        version,
+    ) {
+        Ok(on) => on,
+        Err(why) => {
+            eprintln!("infer: INFER_CUDA_PDL=1 ignored: {why}");
+            false
+        }
+    };
     Ok(Arc::new(CudaDriver {
-        desc: format!("{name} (sm_{major}{minor}, {what})"),
+        desc: format!(
+            "{name} (sm_{major}{minor}, {what}{})",
+            if pdl {
+                ", programmatic dependent launch"
+            } else {
+                ""
+            }
+        ),
         ctx,
         stream,
         module: Module(module),
         funcs: Mutex::new(HashMap::new()),
-        graphs: (std::env::var("INFER_CUDA_GRAPHS").as_deref() != Ok("0"))
-            .then(|| Mutex::new(Graphs::new())),
+        graphs: graphs.then(|| Mutex::new(Graphs::new(pdl))),
         profile: Mutex::new(None),
     }))
+}
+
+/// Whether kernels are launched with programmatic dependent launch (`src/kernels/cuda/graphs.rs`):
+/// only when asked for (`INFER_CUDA_PDL=1`; off by default until a GPU has measured it), with
+/// graphs on (the queue that applies it), on compute capability 9.0 or newer (`griddepcontrol`)
+/// and a driver of CUDA 12.3 or newer (`driver`, as cuDriverGetVersion reports it: 12030), which
+/// has every entry point it uses; asked for but impossible, the reason why.
+fn pdl_choice(env: Option<&str>, graphs: bool, cc_major: i32, driver: i32) -> Result<bool, String> {
+    if env != Some("1") {
+        return Ok(false);
+    }
+    if !graphs {
+        return Err("it needs CUDA graphs (INFER_CUDA_GRAPHS=0 is set)".into());
+    }
+    if cc_major < 9 {
+        return Err(format!(
+            "the GPU has compute capability {cc_major}.x; it needs 9.0 or newer"
+        ));
+    }
+    if driver < 12030 {
+        return Err(format!(
+            "the driver supports CUDA {}.{}; it needs 12.3 or newer",
+            driver / 1000,
+            driver % 1000 / 10
+        ));
+    }
+    Ok(true)
 }
 
 /// The error's name, without asking the driver (a fake or broken driver may lack
@@ -307,5 +356,28 @@ impl Launch for CudaDriver {
             });
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pdl_choice;
+
+    #[test]
+    fn pdl_only_when_asked_and_possible() {
+        // Off unless asked for, whatever the device.
+        assert_eq!(pdl_choice(None, true, 9, 12080), Ok(false));
+        assert_eq!(pdl_choice(Some("0"), true, 9, 12080), Ok(false));
+        assert_eq!(pdl_choice(Some("yes"), true, 9, 12080), Ok(false));
+        // Asked for on an H100/H200 with a 12.3+ (or 13.x) driver.
+        assert_eq!(pdl_choice(Some("1"), true, 9, 12030), Ok(true));
+        assert_eq!(pdl_choice(Some("1"), true, 10, 13000), Ok(true));
+        // Asked for where it cannot be: said why.
+        let e = pdl_choice(Some("1"), true, 8, 12080).unwrap_err();
+        assert!(e.contains("compute capability 8.x"), "{e}");
+        let e = pdl_choice(Some("1"), true, 9, 12020).unwrap_err();
+        assert!(e.contains("CUDA 12.2"), "{e}");
+        let e = pdl_choice(Some("1"), false, 9, 12080).unwrap_err();
+        assert!(e.contains("INFER_CUDA_GRAPHS=0"), "{e}");
     }
 }

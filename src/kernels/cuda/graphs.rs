@@ -8,6 +8,11 @@
 //! Runs of another shape, short runs and a shape's first sighting are launched one by one.
 //! Invariants: the stream sees every operation in the order the host asked for it; a graph's
 //! nodes form one chain (each waits for the previous), as the launches on one stream would.
+//! With programmatic dependent launch on (`pdl`, sm_90+, `INFER_CUDA_PDL=1`), each link of that
+//! chain is a programmatic one, and launches one by one carry the stream attribute that means the
+//! same: the next kernel may start once every block of the previous one has passed its
+//! `PDL_ENTRY()` (cuda/common.cuh), where it waits for that kernel's completion; a failure of
+//! either turns it off for good (said once) and the same work runs with plain links.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -46,6 +51,8 @@ pub struct Graphs {
     built: HashMap<u64, Built>,
     /// Building a graph failed once: launch one by one from then on.
     broken: bool,
+    /// Programmatic dependent launch between consecutive kernels (see the module docs).
+    pdl: bool,
 }
 
 // SAFETY: the raw CUDA handles (functions, graphs, nodes) are plain driver handles usable from any
@@ -75,13 +82,23 @@ fn params(q: &mut Queued, ptrs: &mut Vec<*mut c_void>) -> sys::CUDA_KERNEL_NODE_
 }
 
 impl Graphs {
-    pub fn new() -> Graphs {
+    /// `pdl`: link consecutive kernels programmatically (only where the device and driver allow
+    /// it: compute capability 9.0 and a CUDA 12.3 driver, see `driver::pdl_choice`).
+    pub fn new(pdl: bool) -> Graphs {
         Graphs {
             queue: Vec::new(),
             seen: HashMap::new(),
             built: HashMap::new(),
             broken: false,
+            pdl,
         }
+    }
+
+    /// Plain links from now on, saying why once; graphs built with programmatic links go.
+    fn pdl_off(&mut self, e: &anyhow::Error) {
+        eprintln!("infer: programmatic dependent launch off ({e:#}); kernels wait for each other");
+        self.pdl = false;
+        self.clear();
     }
 
     pub fn push(&mut self, q: Queued) {
@@ -117,7 +134,12 @@ impl Graphs {
                 if self.built.len() >= MAX_GRAPHS {
                     self.clear();
                 }
-                match build(shape, &queue) {
+                let mut built = build(shape.clone(), &queue, self.pdl);
+                if let (Err(e), true) = (&built, self.pdl) {
+                    self.pdl_off(e);
+                    built = build(shape, &queue, false);
+                }
+                match built {
                     Ok(b) => {
                         // SAFETY: a freshly instantiated graph on the caller's current context.
                         let r = unsafe { sys::cuGraphLaunch(b.exec, stream) };
@@ -134,6 +156,12 @@ impl Graphs {
                 .iter_mut()
                 .map(|s| s as *mut u64 as *mut c_void)
                 .collect();
+            if self.pdl {
+                match launch_pdl(&q, &mut ptrs, stream) {
+                    Ok(()) => continue,
+                    Err(e) => self.pdl_off(&e),
+                }
+            }
             // SAFETY: the arguments follow the kernel's C signature (ops.rs spells them); each is
             // read from its 8-byte slot during the call.
             let r = unsafe {
@@ -182,8 +210,57 @@ impl Drop for Graphs {
     }
 }
 
-/// A graph of `queue` as one chain of kernel nodes, instantiated.
-fn build(shape: Vec<(usize, [u32; 3], [u32; 3], usize)>, queue: &[Queued]) -> Result<Built> {
+/// `q` launched with the programmatic stream serialization attribute: it may start before the
+/// kernel ahead of it on `stream` has finished (it waits for it in `PDL_ENTRY()`).
+fn launch_pdl(q: &Queued, ptrs: &mut [*mut c_void], stream: sys::CUstream) -> Result<()> {
+    // SAFETY: an all-zero launch attribute is valid (id 0, value zeroed); id and value are set
+    // below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let cfg = sys::CUlaunchConfig {
+        gridDimX: q.grid[0],
+        gridDimY: q.grid[1],
+        gridDimZ: q.grid[2],
+        blockDimX: q.block[0],
+        blockDimY: q.block[1],
+        blockDimZ: q.block[2],
+        sharedMemBytes: 0,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: the arguments follow the kernel's C signature (ops.rs spells them), each read from
+    // its 8-byte slot during the call; `cfg` and `attr` live across it. Only called with a driver
+    // of CUDA 12.3 or newer (`driver::pdl_choice`), which has cuLaunchKernelEx.
+    let r = unsafe { sys::cuLaunchKernelEx(&cfg, q.func, ptrs.as_mut_ptr(), std::ptr::null_mut()) };
+    check(
+        r,
+        &format!("launching {} with programmatic serialization", q.name),
+    )
+}
+
+/// The link from one kernel node to the next under programmatic dependent launch: the next may
+/// start once every block of this one has triggered (`griddepcontrol.launch_dependents`) or
+/// exited: the port CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC with a programmatic edge, what stream
+/// capture records for a launch with programmatic stream serialization (CUDA driver API,
+/// `CUgraphEdgeData` and `CUgraphKernelNodePort`).
+fn programmatic_edge() -> sys::CUgraphEdgeData {
+    sys::CUgraphEdgeData {
+        from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
+        to_port: 0,
+        type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8,
+        reserved: [0; 5],
+    }
+}
+
+/// A graph of `queue` as one chain of kernel nodes, instantiated; with `pdl`, each link is a
+/// programmatic one.
+fn build(
+    shape: Vec<(usize, [u32; 3], [u32; 3], usize)>,
+    queue: &[Queued],
+    pdl: bool,
+) -> Result<Built> {
     let mut graph: sys::CUgraph = std::ptr::null_mut();
     // SAFETY: creates an empty graph into `graph`.
     check(
@@ -205,12 +282,21 @@ fn build(shape: Vec<(usize, [u32; 3], [u32; 3], usize)>, queue: &[Queued]) -> Re
         };
         let p = params(&mut q, &mut ptrs);
         let mut node: sys::CUgraphNode = std::ptr::null_mut();
-        let deps = b.nodes.last().map_or(std::ptr::null(), |n| n as *const _);
+        let prev = b.nodes.last().copied();
+        let (deps, n_deps) = match (prev.as_ref(), pdl) {
+            (Some(n), false) => (n as *const _, 1),
+            _ => (std::ptr::null(), 0), // first node, or linked programmatically below
+        };
         // SAFETY: `p` points at argument slots alive for the call (the driver copies them);
         // `deps` is null or one node of this graph.
-        let r = unsafe {
-            sys::cuGraphAddKernelNode_v2(&mut node, graph, deps, b.nodes.len().min(1), &p)
-        };
+        let mut r = unsafe { sys::cuGraphAddKernelNode_v2(&mut node, graph, deps, n_deps, &p) };
+        if let (sys::CUresult::CUDA_SUCCESS, Some(prev), true) = (r, prev, pdl) {
+            let edge = programmatic_edge();
+            // SAFETY: both nodes belong to this graph; one edge, its data alive for the call.
+            // Only called with a driver of CUDA 12.3 or newer (`driver::pdl_choice`), which has
+            // cuGraphAddDependencies_v2.
+            r = unsafe { sys::cuGraphAddDependencies_v2(graph, &prev, &node, &edge, 1) };
+        }
         if let Err(e) = check(r, &format!("adding {} to a CUDA graph", q.name)) {
             // SAFETY: the graph is ours and not instantiated.
             unsafe { sys::cuGraphDestroy(graph) };
