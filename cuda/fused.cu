@@ -156,3 +156,50 @@ extern "C" __global__ void __launch_bounds__(128)
   q8_1_warp(y, q8 + (size_t)(i / 32) * Q8_1_BYTES);
 }
 EMU_EXPORT(glu_q8)
+
+/// A decode FFN's gate‖up GEMV and its GLU in one launch (what `gemv_multi` of gate and up, then
+/// `glu_q8`, compute, bit for bit): blocks [0, ff / 4) take 4 gate rows each and blocks
+/// [ff / 4, ff / 2) the same 4 rows of up, as `gemv_multi` does (ff % 32 == 0, so no warp leaves
+/// early). The 16 blocks holding a 32-column group's gate and up values count their arrivals on the
+/// group's counter in `done` ((ff / 32) a token tile, zero between launches); the last to arrive
+/// computes gate = act(gate) * up for those columns of each token and their q8_1 blocks into `q8`
+/// (`glu_q8`'s arithmetic), then sets the counter back to zero. The usual last-block pattern: each
+/// writer fences before the barrier that precedes the count, and the last block fences before it
+/// reads the others' values. grid (ff / 2, ceil(tokens / 8)), block (128). q8 may not alias xq.
+#define GEMV_GLU(FN, name)                                                                         \
+  extern "C" __global__ void __launch_bounds__(128)                                                \
+      name(const uint8_t* xq, int cols, int nt, const uint8_t* wg, float* gate,                    \
+           const uint8_t* wu, float* up, int ff, uint8_t* q8, int* done, int act) {                \
+    PDL_ENTRY();                                                                                   \
+    __shared__ int last;                                                                           \
+    const int nb = ff / GEMV_ROWS, rb = blockIdx.x;                                                \
+    if (rb < nb) {                                                                                 \
+      FN(wg, xq, gate, ff, cols, nt, nullptr, rb);                                                 \
+    } else {                                                                                       \
+      FN(wu, xq, up, ff, cols, nt, nullptr, rb - nb);                                              \
+    }                                                                                              \
+    __threadfence();                                                                               \
+    __syncthreads();                                                                               \
+    const int group = rb % nb / (32 / GEMV_ROWS);                                                  \
+    int* count = done + (size_t)blockIdx.y * (ff / 32) + group;                                    \
+    if (threadIdx.x == 0) last = atomicAdd(count, 1) == 2 * (32 / GEMV_ROWS) - 1;                  \
+    __syncthreads();                                                                               \
+    if (!last) return;                                                                             \
+    __threadfence();                                                                               \
+    const int t0 = blockIdx.y * GEMV_TOKENS, ntt = min(GEMV_TOKENS, nt - t0);                      \
+    const volatile float* g = gate;                                                                \
+    const volatile float* u = up;                                                                  \
+    for (int t = threadIdx.x / 32; t < ntt; t += 4) {                                              \
+      const size_t i = (size_t)(t0 + t) * ff + group * 32 + threadIdx.x % 32;                      \
+      const float y = glu_act(g[i], act) * u[i];                                                   \
+      gate[i] = y;                                                                                 \
+      q8_1_warp(y, q8 + i / 32 * Q8_1_BYTES);                                                      \
+    }                                                                                              \
+    if (threadIdx.x == 0) *count = 0;                                                              \
+  }                                                                                                \
+  EMU_EXPORT(name)
+GEMV_GLU(gemv_q<Q4_0>, gemv_glu_q4_0)
+GEMV_GLU(gemv_q<Q5_0>, gemv_glu_q5_0)
+GEMV_GLU(gemv_q<Q8_0>, gemv_glu_q8_0)
+GEMV_GLU(gemv_q4k, gemv_glu_q4_k)
+GEMV_GLU(gemv_q6k, gemv_glu_q6_k)

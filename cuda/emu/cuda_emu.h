@@ -158,6 +158,8 @@ using std::fabs;
 using std::max;
 using std::min;
 
+// Blocks run one after another: a fence orders nothing more than program order already does.
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) {

@@ -1,11 +1,13 @@
 //! The fused kernels' check (part of [`super::cuda_kernels::run_all`]): `add_rms_norm_q8`,
-//! `rope_kv` and `glu_q8` (cuda/fused.cu) against the CPU backend's scalar ops composed as the
-//! unfused path composes them (`kernels::cpu::ops`: RMS norm, RoPE caches and rotation, the gated
-//! activations) and the crate's q8_1 quantizer, at ragged shapes: rows of 100 (no q8_1), 640
+//! `rope_kv`, `glu_q8` and `gemv_glu_*` (cuda/fused.cu) against the CPU backend's scalar ops
+//! composed as the unfused path composes them (`kernels::cpu::ops`: RMS norm, RoPE caches and
+//! rotation, the gated activations) and the crate's q8_1 quantizer, at ragged shapes: rows of 100
+//! (no q8_1), 640
 //! (Gemma-3-270M's width) and 896/1536, with and without the residual add and Gemma's norm of the
 //! sublayer output; GQA and MQA head layouts with both RoPE pairings, frequency factors, per-head
 //! q/k norms, q scaling and scattered KV slots. The q8_1 blocks are held bit for bit to the
-//! reference quantizer applied to the kernel's own f32 output.
+//! reference quantizer applied to the kernel's own f32 output. The fused gate/up GEMV + GLU
+//! (`gemv_glu_*`) is held bit for bit to the unfused launches it replaces.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -24,6 +26,70 @@ pub fn fused(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
     add_rms_norm(l, out)?;
     rope_kv(l, out)?;
     glu(l, out)?;
+    gemv_glu(l, out)?;
+    Ok(())
+}
+
+/// `gemv_glu_<type>` against `gemv_multi_<type>` of gate and up followed by `glu_q8`: the GLU
+/// output and its q8_1 blocks bit for bit (err = values and bytes that differ, tolerance 0), at
+/// FFN widths of 3 and 5 q8_1 groups (not a multiple of the 8 blocks of 4 rows a group takes),
+/// 1, 3 and 8 tokens and each activation; each shape launched twice, so a counter left non-zero
+/// by the first launch would show in the second.
+fn gemv_glu(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
+    use crate::format::GgmlType;
+    let cases = [
+        (GgmlType::Q4K, 96, 512, 1, Activation::Silu),
+        (GgmlType::Q6K, 160, 256, 3, Activation::GeluTanh),
+        (GgmlType::Q8_0, 96, 160, 8, Activation::GeluTanhF32),
+        (GgmlType::Q4_0, 160, 96, 2, Activation::Silu),
+        (GgmlType::Q5_0, 96, 64, 5, Activation::GeluTanh),
+    ];
+    for (i, (ty, ff, cols, n, act)) in cases.into_iter().enumerate() {
+        let (wg, _) = super::cuda_kernels::weights(ty, ff, cols, 60 + i as u64)?;
+        let (wu, _) = super::cuda_kernels::weights(ty, ff, cols, 70 + i as u64)?;
+        let (wg, wu) = (DevBuf::from_bytes(l, &wg)?, DevBuf::from_bytes(l, &wu)?);
+        let x: Vec<f32> = floats(n * cols, 80 + i as u64);
+        let xd = DevBuf::from_f32(l, &x)?;
+        let xq = DevBuf::new(l, n * cols / 32 * ops::Q8_1_BYTES)?;
+        ops::quantize_q8_1(&**l, xd.ptr, xq.ptr, n * cols)?;
+        // The unfused path.
+        let (g0, u0) = (DevBuf::new(l, n * ff * 4)?, DevBuf::new(l, n * ff * 4)?);
+        let q0 = DevBuf::new(l, n * ff / 32 * ops::Q8_1_BYTES)?;
+        let parts = [(wg.ptr, g0.ptr, None, ff), (wu.ptr, u0.ptr, None, ff)];
+        ops::gemv_multi(&**l, ty, xq.ptr, &parts, (cols, n))?;
+        ops::glu_q8(&**l, g0.ptr, u0.ptr, q0.ptr, n * ff, act)?;
+        let (want, want_q8) = (g0.to_f32()?, q0.to_bytes()?);
+        let (g1, u1) = (DevBuf::new(l, n * ff * 4)?, DevBuf::new(l, n * ff * 4)?);
+        let q1 = DevBuf::new(l, n * ff / 32 * ops::Q8_1_BYTES)?;
+        let done = DevBuf::new(l, ops::gemv_glu_done_bytes(ff, n))?;
+        for round in 1..=2 {
+            let secs = timed(l, || {
+                ops::gemv_glu(
+                    &**l,
+                    ty,
+                    xq.ptr,
+                    (wg.ptr, g1.ptr),
+                    (wu.ptr, u1.ptr),
+                    (ff, cols, n),
+                    (q1.ptr, done.ptr),
+                    act,
+                )
+            })?;
+            let got = g1.to_f32()?;
+            let differ = got
+                .iter()
+                .zip(&want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            let q8 = q1.to_bytes()?;
+            let bytes = q8.iter().zip(&want_q8).filter(|(a, b)| a != b).count();
+            let kernel = ops::gemv_glu_kernel(ty).expect("a case of a fused type");
+            let shape = format!(
+                "{ff}x{cols} {n} tok {act:?} #{round} (values + q8_1 bytes differing from gemv_multi + glu_q8)"
+            );
+            push(out, kernel, shape, (differ + bytes) as f64, 0.0, secs);
+        }
+    }
     Ok(())
 }
 

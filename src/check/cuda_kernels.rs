@@ -166,7 +166,12 @@ fn quantize(c: &mut Ctx) -> Result<()> {
 /// Weights of `ty` quantized by the crate's reference quantizer, in the device's layout (as the
 /// backend uploads them: Q6_K repacked, [`repack`]), and their dequantized values (from the
 /// file's bytes, by the crate's dequantizer).
-fn weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Result<(Vec<u8>, Vec<f32>)> {
+pub(super) fn weights(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<(Vec<u8>, Vec<f32>)> {
     let f = floats(rows * cols, seed);
     let (mut bytes, mut deq, mut row) = (Vec::new(), vec![0f32; rows * cols], Vec::new());
     for (r, src) in f.chunks_exact(cols).enumerate() {

@@ -20,9 +20,9 @@ use super::ops;
 use super::sublayers::Q8Ready;
 use crate::format::GgmlType;
 use crate::model::backend::{
-    attention_block_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend,
-    CacheType, DevicePick, DeviceSampler, DeviceSampling, HeadCopy, KvType, MatmulJob, Rope,
-    WeightSource,
+    attention_block_steps, ffn_dense_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch,
+    AttnShape, Backend, CacheType, DevicePick, DeviceSampler, DeviceSampling, HeadCopy, KvType,
+    MatmulJob, Rope, WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -70,8 +70,8 @@ impl CudaKv {
 
 pub struct CudaBackend {
     pub(super) l: Arc<dyn Launch>,
-    /// Grow-only scratch: q8_1 activations, attention partials, sampled rows.
-    pub(super) scratch: Mutex<[Option<DevBuf>; 3]>,
+    /// Grow-only scratch: q8_1 activations, attention partials, sampled rows, the fused FFN's.
+    pub(super) scratch: Mutex<[Option<DevBuf>; 5]>,
     /// The sample table last uploaded to the `SAMPLE` scratch buffer (so an unchanged one is
     /// not uploaded again).
     sample_table: Mutex<Vec<u8>>,
@@ -92,9 +92,13 @@ pub struct CudaBackend {
 const TABLES: usize = 8;
 
 /// Scratch buffers: q8_1 activations, attention partials, sampled rows (records, windows, ids).
+/// Each is grown by reallocation, which zeroes it.
 pub(super) const Q8: usize = 0;
 pub(super) const PART: usize = 1;
 pub(super) const SAMPLE: usize = 2;
+/// The fused FFN's q8_1 output (apart from its input's, in `Q8`) and its arrival counters.
+pub(super) const Q8_GLU: usize = 3;
+pub(super) const GLU_DONE: usize = 4;
 
 /// Unwraps the result of an op; see the module docs for why this ends the process.
 pub(super) fn ok<T>(what: &str, r: Result<T>) -> T {
@@ -112,7 +116,7 @@ impl CudaBackend {
     pub fn new(l: Arc<dyn Launch>) -> CudaBackend {
         CudaBackend {
             l,
-            scratch: Mutex::new([None, None, None]),
+            scratch: Mutex::new([None, None, None, None, None]),
             sample_table: Mutex::new(Vec::new()),
             tables: Mutex::new(Vec::with_capacity(TABLES)),
             epoch: AtomicU64::new(0),
@@ -392,6 +396,26 @@ impl Backend for CudaBackend {
 
     fn matmul_many(&self, x: &CudaAct, jobs: &mut [MatmulJob<'_, Self>]) {
         ok("matmul", self.try_matmul_many(x, jobs))
+    }
+
+    fn ffn_dense(
+        &self,
+        h: &CudaAct,
+        (gate_w, up_w, down_w): (&CudaWeight, &CudaWeight, &CudaWeight),
+        act: Activation,
+        gate: &mut CudaAct,
+        up: &mut CudaAct,
+        out: &mut CudaAct,
+    ) {
+        // Decode: gate, up and the GLU in one launch where it applies (sublayers.rs).
+        if ok(
+            "ffn",
+            self.try_gate_up_glu(h, (gate_w, up_w), act, gate, up),
+        ) {
+            self.matmul(down_w, gate, None, out);
+        } else {
+            ffn_dense_steps(self, h, (gate_w, up_w, down_w), act, gate, up, out);
+        }
     }
 
     fn rope(&self, x: &mut CudaAct, positions: &[u32], rope: Rope, ff: Option<&CudaVec>) {

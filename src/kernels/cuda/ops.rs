@@ -189,6 +189,64 @@ pub fn gemv_multi(
     l.launch(name, grid, [128, 1, 1], &args)
 }
 
+/// The fused gate‖up GEMV + GLU kernel for weights of `ty` (`GEMV_GLU` in fused.cu).
+pub fn gemv_glu_kernel(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::Q4_0 => "gemv_glu_q4_0",
+        GgmlType::Q5_0 => "gemv_glu_q5_0",
+        GgmlType::Q8_0 => "gemv_glu_q8_0",
+        GgmlType::Q4K => "gemv_glu_q4_k",
+        GgmlType::Q6K => "gemv_glu_q6_k",
+        _ => return None,
+    })
+}
+
+/// Bytes of the arrival counters [`gemv_glu`] needs for `ff` columns and `ntok` tokens (zeroed
+/// once; every launch leaves them zero).
+pub fn gemv_glu_done_bytes(ff: usize, ntok: usize) -> usize {
+    4 * ff / 32 * ntok.div_ceil(GEMV_TOKENS)
+}
+
+/// A decode FFN's first half in one launch: gate = act(xq · Wgᵀ) * (xq · Wuᵀ) (n × ff, over
+/// `gate`; `up` holds xq · Wuᵀ) and its q8_1 blocks into `q8`, exactly as [`gemv_multi`] of the
+/// two then [`glu_q8`]. `ff` a multiple of 32; `done`: [`gemv_glu_done_bytes`] of zeros.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_glu(
+    l: &dyn Launch,
+    ty: GgmlType,
+    xq: u64,
+    (wg, gate): (u64, u64),
+    (wu, up): (u64, u64),
+    (ff, cols, ntok): (usize, usize, usize),
+    (q8, done): (u64, u64),
+    act: Activation,
+) -> Result<()> {
+    let Some(name) = gemv_glu_kernel(ty) else {
+        bail!("no fused gate/up GLU kernel for {}", ty.name());
+    };
+    if !ff.is_multiple_of(32) || ff == 0 {
+        bail!("{name}: {ff} columns are not whole q8_1 blocks");
+    }
+    if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) && !(wg | wu).is_multiple_of(16) {
+        bail!("{name} reads 16-byte-aligned weights");
+    }
+    let args = [
+        Arg::Ptr(xq),
+        i32a(cols),
+        i32a(ntok),
+        Arg::Ptr(wg),
+        Arg::Ptr(gate),
+        Arg::Ptr(wu),
+        Arg::Ptr(up),
+        i32a(ff),
+        Arg::Ptr(q8),
+        Arg::Ptr(done),
+        Arg::I32(act_code(act)),
+    ];
+    let grid = [(ff / 2) as u32, ntok.div_ceil(GEMV_TOKENS) as u32, 1];
+    l.launch(name, grid, [128, 1, 1], &args)
+}
+
 /// out (n × rows) = x · Wᵀ on the integer tensor cores for a `rows × cols` weight of type `ty`
 /// (one of [`gemm_kernel`]) and `n` tokens of q8_1 blocks `xq`; the same sums as [`gemv`], for
 /// prefill-sized `n`.

@@ -62,8 +62,13 @@ fn matmul_type(name: &str) -> Option<GgmlType> {
 }
 
 /// (rows, cols, tokens) of a `gemv_multi_<type>` launch: (xq, cols, tokens, then per matrix w,
-/// out, bias, rows), the rows of all its matrices summed.
+/// out, bias, rows), the rows of all its matrices summed; or of a `gemv_glu_<type>` launch (xq,
+/// cols, tokens, w_gate, gate, w_up, up, ff, ..): both matrices' 2 ff rows.
 fn multi_shape(t: &Timed) -> Option<(GgmlType, u64, u64, u64)> {
+    if let Some(ty) = t.name.strip_prefix("gemv_glu_") {
+        let rows = 2 * int(&t.args, 7)?;
+        return Some((weight_type(ty)?, rows, int(&t.args, 1)?, int(&t.args, 2)?));
+    }
     let ty = weight_type(t.name.strip_prefix("gemv_multi_")?)?;
     let rows = (0..ops::GEMV_MULTI)
         .map(|j| int(&t.args, 6 + 4 * j))
@@ -88,7 +93,13 @@ pub fn launch_bytes(t: &Timed) -> Option<u64> {
     let a = &t.args;
     let q8 = |values: u64| values / 32 * Q8_1_BYTES as u64;
     if let Some((_, rows, cols, n)) = multi_shape(t) {
-        return Some(weight_bytes(t)? + q8(n * cols) + n * rows * 4);
+        // A fused GLU also reads the gate and up values back, writes the GLU over gate, and its
+        // q8_1 blocks.
+        let glu = match t.name.starts_with("gemv_glu_") {
+            true => n * rows * 4 + n * rows / 2 * 4 + q8(n * rows / 2),
+            false => 0,
+        };
+        return Some(weight_bytes(t)? + q8(n * cols) + n * rows * 4 + glu);
     }
     if let Some(ty) = matmul_type(&t.name) {
         // (w, x, out, rows, cols, tokens, ..)

@@ -1,16 +1,27 @@
 //! The CUDA backend's steps of several kernels, apart from `backend.rs`'s one-op-one-kernel
 //! methods: matmuls (GEMV or tensor-core GEMM by row count, GEMVs of one type sharing a launch),
-//! the fused residual add + norm, the attention sublayer (Q/K/V products, `rope_kv`, attention,
-//! output product) and attention itself; and the record of the q8_1 blocks a fused kernel wrote
-//! of its output, which lets the matmul that reads that output next skip its quantize launch.
+//! the fused residual add + norm, the decode FFN's gate/up/GLU launch, the attention sublayer
+//! (Q/K/V products, `rope_kv`, attention, output product) and attention itself; and the record of
+//! the q8_1 blocks a fused kernel wrote of its output, which lets the matmul that reads that
+//! output next skip its quantize launch.
 
 use std::sync::atomic::Ordering;
 
 use anyhow::{bail, Result};
 
-use super::backend::{i32s, CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight, PART, Q8};
+use super::backend::{
+    i32s, CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight, GLU_DONE, PART, Q8, Q8_GLU,
+};
 use super::ops::{self, AttnArgs, RopeKv};
 use crate::model::backend::{AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, MatmulJob};
+use crate::model::config::Activation;
+
+/// Whether the decode FFN's gate, up and GLU share a launch (`INFER_CUDA_FUSED_FFN=0`: not, for
+/// measuring the difference on a GPU).
+fn fused_ffn() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("INFER_CUDA_FUSED_FFN").as_deref() != Ok("0"))
+}
 
 /// q8_1 blocks of an activation, valid while [`CudaBackend::epoch`] equals `epoch`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -50,6 +61,50 @@ impl CudaBackend {
             return Ok(None);
         }
         Ok(Some(self.scratch(Q8, values / 32 * ops::Q8_1_BYTES)?))
+    }
+
+    /// A decode FFN's gate and up products and the GLU in one launch ([`ops::gemv_glu`]): gate
+    /// becomes act(gate) * up with its q8_1 blocks on record for the down product. False (and
+    /// nothing done) where it does not apply: more rows than a GEMV takes, gate and up of another
+    /// type or shape than each other, widths not whole q8_1 blocks, a type without the kernel, or
+    /// `INFER_CUDA_FUSED_FFN=0`.
+    pub(super) fn try_gate_up_glu(
+        &self,
+        h: &CudaAct,
+        (gw, uw): (&CudaWeight, &CudaWeight),
+        act: Activation,
+        gate: &mut CudaAct,
+        up: &mut CudaAct,
+    ) -> Result<bool> {
+        let (n, ff) = (h.rows, gw.rows);
+        if !fused_ffn()
+            || n > ops::GEMV_TOKENS
+            || ops::gemv_glu_kernel(gw.ty).is_none()
+            || (uw.ty, uw.rows, uw.cols) != (gw.ty, ff, gw.cols)
+            || gw.cols != h.cols
+            || !h.cols.is_multiple_of(32)
+            || !ff.is_multiple_of(32)
+            || (gate.rows, gate.cols, up.rows, up.cols) != (n, ff, n, ff)
+        {
+            return Ok(false);
+        }
+        let ready = self.q8_of(h); // before `l()`, which marks every record stale
+        let l = self.l();
+        let xq = match ready {
+            Some(q8) => q8, // the norm before the FFN just wrote them
+            None => {
+                let q8 = self.scratch(Q8, n * h.cols / 32 * ops::Q8_1_BYTES)?;
+                ops::quantize_q8_1(l, h.buf.ptr, q8, n * h.cols)?;
+                q8
+            }
+        };
+        let q8 = self.scratch(Q8_GLU, n * ff / 32 * ops::Q8_1_BYTES)?;
+        let done = self.scratch(GLU_DONE, ops::gemv_glu_done_bytes(ff, n))?;
+        let shape = (ff, h.cols, n);
+        let (g, u) = ((gw.buf.ptr, gate.buf.ptr), (uw.buf.ptr, up.buf.ptr));
+        ops::gemv_glu(l, gw.ty, xq, g, u, shape, (q8, done), act)?;
+        self.set_q8(gate, q8);
+        Ok(true)
     }
 
     pub(super) fn try_matmul_many(
