@@ -661,9 +661,11 @@ pub struct SampleRow<'a> {
 /// Bytes of one row's record in a sample table (`SampleRow` in sample.cu).
 pub const SAMPLE_ROW_BYTES: usize = 72;
 
-/// Bytes [`sample`] needs at `table` for `rows`: the records, then every penalty window.
+/// Bytes [`sample`] writes at `table` for `rows`: the records, then the penalty windows of the
+/// penalised rows.
 pub fn sample_table_bytes(rows: &[SampleRow<'_>]) -> usize {
-    rows.len() * SAMPLE_ROW_BYTES + rows.iter().map(|r| 4 * r.window.len()).sum::<usize>()
+    let windows = rows.iter().filter(|r| r.s.penalised);
+    rows.len() * SAMPLE_ROW_BYTES + windows.map(|r| 4 * r.window.len()).sum::<usize>()
 }
 
 /// Samples one token from each row of `rows` (rows of `n` logits at `x`, each with its own
@@ -716,6 +718,7 @@ pub fn sample(
     for r in rows.iter().filter(|r| r.s.penalised) {
         bytes.extend(r.window.iter().flat_map(|v| v.to_le_bytes()));
     }
+    debug_assert_eq!(bytes.len(), sample_table_bytes(rows));
     if *last != bytes {
         l.upload(table, &bytes)?;
         *last = bytes;
