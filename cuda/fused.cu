@@ -1,11 +1,79 @@
 // The decode step's work between the big matrix products, fused so that each stretch is one launch
 // instead of three or four: the residual add (with Gemma's norm of the sublayer output) + the RMS
 // norm + the q8_1 quantization the next GEMV reads; the per-head q/k norms + RoPE of q and k + q's
-// scale + the KV-cache write (f16, or rotated ggml blocks for a quantized cache); and the gated
-// activation + q8_1. Each computes what the unfused kernels of ops.cu and gemv.cu compute, in the
+// scale + the KV-cache write (f16, or rotated ggml blocks for a quantized cache); the gated
+// activation + q8_1, alone or in the gate/up GEMV's launch; and a sublayer's last GEMV with the
+// residual join after it. Each computes what the unfused kernels of ops.cu and gemv.cu compute, in the
 // same order where the result depends on it (the norm's block sum, the RoPE angles, the
 // activation), so that the backend may take either path.
 #include "common.cuh"
+
+/// `block_sum` as a block of 256 threads takes it, in a block of 256 / V threads that each hold
+/// the partial sums of V of those 256 (thread t those of t + j * blockDim.x, j < V): the same
+/// butterflies within each of the 8 virtual warps, then the same one over their 8 sums, so the
+/// result is bit for bit what 256 threads would get.
+template <int V>
+__device__ __forceinline__ float block_sum256(const float (&v)[V], float* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  float s[V];
+#pragma unroll
+  for (int j = 0; j < V; j++) s[j] = warp_sum(v[j]);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) {
+#pragma unroll
+    for (int j = 0; j < V; j++) scratch[warp + j * nwarps] = s[j];
+  }
+  __syncthreads();
+  return warp_sum(lane < 8 ? scratch[lane] : 0.0f);
+}
+
+/// One row of `add_rms_norm_q8` (below) by a block of 256 / V threads, each doing the work of V
+/// of the 256 (virtual thread t + j * blockDim.x, j < V), so every sum is taken in the 256-thread
+/// order whatever the block's size. `yr` may be null (no residual add); `YP` lets a caller read
+/// it through a volatile pointer (values other blocks of its launch just wrote). q8: the row's
+/// q8_1 blocks, or null.
+template <int V, typename YP>
+__device__ __forceinline__ void add_rms_norm_row(float* xr, YP yr, const float* yw,
+                                                 const float* w, float* o, uint8_t* q8, int n,
+                                                 float eps, float* scratch) {
+  if (yr) {
+    float ys = 1.0f;
+    if (yw) {
+      float ss[V];
+#pragma unroll
+      for (int j = 0; j < V; j++) {
+        ss[j] = 0.0f;
+        for (int i = threadIdx.x + j * blockDim.x; i < n; i += 256) ss[j] += yr[i] * yr[i];
+      }
+      ys = 1.0f / sqrtf(block_sum256<V>(ss, scratch) / (float)n + eps);
+    }
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      for (int i = threadIdx.x + j * blockDim.x; i < n; i += 256) {
+        const float y = yr[i];
+        const float v = yw ? (y * ys) * yw[i] : y;
+        xr[i] += v;  // each thread reads back only its own elements below
+      }
+    }
+  }
+  float ss[V];
+#pragma unroll
+  for (int j = 0; j < V; j++) {
+    ss[j] = 0.0f;
+    for (int i = threadIdx.x + j * blockDim.x; i < n; i += 256) ss[j] += xr[i] * xr[i];
+  }
+  const float scale = 1.0f / sqrtf(block_sum256<V>(ss, scratch) / (float)n + eps);
+  // With n % 32 == 0 a warp's 32 consecutive elements are one q8_1 block, and the loop condition
+  // is the same for all its lanes.
+#pragma unroll
+  for (int j = 0; j < V; j++) {
+    for (int i = threadIdx.x + j * blockDim.x; i < n; i += 256) {
+      const float v = (xr[i] * scale) * w[i];
+      o[i] = v;
+      if (q8) q8_1_warp(v, q8 + (i & ~31) / 32 * Q8_1_BYTES);
+    }
+  }
+}
 
 /// Per row (grid (rows), block (256)), with n values a row:
 ///   y' = yw ? y / rms(y) * yw : y      (only when y is given; y itself is not written)
@@ -20,33 +88,9 @@ extern "C" __global__ void __launch_bounds__(256)
                     uint8_t* __restrict__ q8, int n, float eps) {
   PDL_ENTRY();
   __shared__ float scratch[32];
-  float* xr = x + (size_t)blockIdx.x * n;
-  float* o = out + (size_t)blockIdx.x * n;
-  if (y) {
-    const float* yr = y + (size_t)blockIdx.x * n;
-    float ys = 1.0f;
-    if (yw) {
-      float ss = 0.0f;
-      for (int i = threadIdx.x; i < n; i += blockDim.x) ss += yr[i] * yr[i];
-      ss = block_sum(ss, scratch);
-      ys = 1.0f / sqrtf(ss / (float)n + eps);
-    }
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const float v = yw ? (yr[i] * ys) * yw[i] : yr[i];
-      xr[i] += v;  // each thread reads back only its own elements below
-    }
-  }
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
-  ss = block_sum(ss, scratch);
-  const float scale = 1.0f / sqrtf(ss / (float)n + eps);
-  // With n % 32 == 0 a warp's 32 consecutive elements are one q8_1 block, and the loop condition
-  // is the same for all its lanes.
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const float v = (xr[i] * scale) * w[i];
-    o[i] = v;
-    if (q8) q8_1_warp(v, q8 + ((size_t)blockIdx.x * n + (i & ~31)) / 32 * Q8_1_BYTES);
-  }
+  const size_t r = blockIdx.x;
+  add_rms_norm_row<1>(x + r * n, y ? y + r * n : nullptr, yw, w, out + r * n,
+                      q8 ? q8 + r * n / 32 * Q8_1_BYTES : nullptr, n, eps, scratch);
 }
 EMU_EXPORT(add_rms_norm_q8)
 
@@ -203,3 +247,42 @@ GEMV_GLU(gemv_q<Q5_0>, gemv_glu_q5_0)
 GEMV_GLU(gemv_q<Q8_0>, gemv_glu_q8_0)
 GEMV_GLU(gemv_q4k, gemv_glu_q4_k)
 GEMV_GLU(gemv_q6k, gemv_glu_q6_k)
+
+/// A decode sublayer's output product and the residual join after it in one launch (what
+/// `gemv_<type>` into y, then `add_rms_norm_q8(x, y, yw, w, out, q8)` compute, bit for bit):
+/// blocks as `gemv_<type>`'s (4 rows of y = xq · Wᵀ each), each counting its arrival on its token
+/// tile's counter done[blockIdx.y] (zero between launches) after a fence and the block's barrier;
+/// the last of the tile's gridDim.x blocks to arrive runs `add_rms_norm_q8`'s row for each of the
+/// tile's tokens (its 128 threads taking the sums as that kernel's 256 do) and sets the counter
+/// back to zero. rows % 32 == 0 (no warp leaves early; the output rows are whole q8_1 blocks).
+/// grid (rows / 4, ceil(tokens / 8)), block (128). Meant for one token: the last block then
+/// normalises one row, what `add_rms_norm_q8` would do in a launch of its own.
+#define GEMV_NORM(FN, name)                                                                        \
+  extern "C" __global__ void __launch_bounds__(128)                                                \
+      name(const uint8_t* xq, int cols, int nt, const uint8_t* w, float* y, int rows, float* x,    \
+           const float* yw, const float* nw, float* out, uint8_t* q8, int* done, float eps) {      \
+    PDL_ENTRY();                                                                                   \
+    __shared__ int last;                                                                           \
+    __shared__ float scratch[32];                                                                  \
+    FN(w, xq, y, rows, cols, nt, nullptr, blockIdx.x);                                             \
+    __threadfence();                                                                               \
+    __syncthreads();                                                                               \
+    if (threadIdx.x == 0) last = atomicAdd(done + blockIdx.y, 1) == (int)gridDim.x - 1;            \
+    __syncthreads();                                                                               \
+    if (!last) return;                                                                             \
+    __threadfence();                                                                               \
+    const int t0 = blockIdx.y * GEMV_TOKENS, ntt = min(GEMV_TOKENS, nt - t0);                      \
+    for (int t = t0; t < t0 + ntt; t++) {                                                          \
+      const size_t r = (size_t)t * rows;                                                           \
+      const volatile float* yr = y + r;                                                            \
+      add_rms_norm_row<2>(x + r, yr, yw, nw, out + r, q8 + r / 32 * Q8_1_BYTES, rows, eps,         \
+                          scratch);                                                                \
+    }                                                                                              \
+    if (threadIdx.x == 0) done[blockIdx.y] = 0;                                                    \
+  }                                                                                                \
+  EMU_EXPORT(name)
+GEMV_NORM(gemv_q<Q4_0>, gemv_norm_q4_0)
+GEMV_NORM(gemv_q<Q5_0>, gemv_norm_q5_0)
+GEMV_NORM(gemv_q<Q8_0>, gemv_norm_q8_0)
+GEMV_NORM(gemv_q4k, gemv_norm_q4_k)
+GEMV_NORM(gemv_q6k, gemv_norm_q6_k)

@@ -14,7 +14,8 @@
 # `infer bench --profile` (every kernel of 16 decode steps at 512 positions timed alone: time
 # and bandwidth), the selftest and benches again with programmatic dependent launch on
 # (INFER_CUDA_PDL=1: A/B in the same run), Qwen's bench with the FFN's gate/up/GLU launch split
-# in two again (INFER_CUDA_FUSED_FFN=0), and last, Qwen's decode at depth 4,096 with the KV
+# in two again (INFER_CUDA_FUSED_FFN=0), and with the output products and residual joins split
+# again (INFER_CUDA_FUSED_NORM=0), and last, Qwen's decode at depth 4,096 with the KV
 # cache in f16, q8_0 and q4_0 (`--kv-types`, timed in the same run). figures.txt gathers the
 # headline numbers.
 # Each step has its own time limit and nothing runs past BUDGET (470 s), so the whole run stays
@@ -102,6 +103,10 @@ for m in qwen gemma; do
 done
 # The FFN's gate, up and GLU as two launches again (INFER_CUDA_FUSED_FFN=0): what fusing them gave.
 step bench-qwen-unfused 60 env INFER_CUDA_FUSED_FFN=0 "$BIN" bench --device "$DEVICE" \
+    -m "$WORK/qwen.gguf" -p "$PP" -n "$TG" -r "$REPS" --json
+# The output products and the residual joins after them as two launches each again
+# (INFER_CUDA_FUSED_NORM=0): what fusing them gave.
+step bench-qwen-unfused-norm 60 env INFER_CUDA_FUSED_NORM=0 "$BIN" bench --device "$DEVICE" \
     -m "$WORK/qwen.gguf" -p "$PP" -n "$TG" -r "$REPS" --json
 step batched-qwen-pdl 60 env INFER_CUDA_PDL=1 "$BIN" bench --device "$DEVICE" -m "$WORK/qwen.gguf" \
     --concurrency "$LEVELS" -p "$CPROMPT" -n "$CGEN" -r 1 --shared-prefix 0 --json

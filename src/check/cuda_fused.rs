@@ -1,5 +1,5 @@
 //! The fused kernels' check (part of [`super::cuda_kernels::run_all`]): `add_rms_norm_q8`,
-//! `rope_kv`, `glu_q8` and `gemv_glu_*` (cuda/fused.cu) against the CPU backend's scalar ops
+//! `rope_kv`, `glu_q8`, `gemv_glu_*` and `gemv_norm_*` (cuda/fused.cu) against the CPU backend's scalar ops
 //! composed as the unfused path composes them (`kernels::cpu::ops`: RMS norm, RoPE caches and
 //! rotation, the gated activations) and the crate's q8_1 quantizer, at ragged shapes: rows of 100
 //! (no q8_1), 640
@@ -7,7 +7,8 @@
 //! sublayer output; GQA and MQA head layouts with both RoPE pairings, frequency factors, per-head
 //! q/k norms, q scaling and scattered KV slots. The q8_1 blocks are held bit for bit to the
 //! reference quantizer applied to the kernel's own f32 output. The fused gate/up GEMV + GLU
-//! (`gemv_glu_*`) is held bit for bit to the unfused launches it replaces.
+//! (`gemv_glu_*`) and the fused output product + residual join (`gemv_norm_*`) are held bit for
+//! bit to the unfused launches they replace.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -27,7 +28,112 @@ pub fn fused(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
     rope_kv(l, out)?;
     glu(l, out)?;
     gemv_glu(l, out)?;
+    gemv_norm(l, out)?;
     Ok(())
+}
+
+/// `gemv_norm_<type>` against `gemv_<type>` followed by `add_rms_norm_q8`: the product, the
+/// residual, the normed output and its q8_1 blocks bit for bit (err = values and bytes that
+/// differ, tolerance 0), at widths of 64 to 1,536 (Qwen2.5-1.5B's), with and without Gemma's norm
+/// of the product, 1 token (what the backend fuses), 3, and 9 (two token tiles, two counters);
+/// each shape launched twice, so a counter left non-zero by the first launch would show in the
+/// second.
+fn gemv_norm(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
+    use crate::format::GgmlType;
+    // (type, rows = the join's width, cols, tokens, norm of the product)
+    let cases = [
+        (GgmlType::Q4K, 1536, 512, 1, false),
+        (GgmlType::Q6K, 640, 256, 1, true),
+        (GgmlType::Q8_0, 96, 160, 9, true),
+        (GgmlType::Q4_0, 160, 96, 1, false),
+        (GgmlType::Q5_0, 64, 64, 3, true),
+    ];
+    let eps = 1e-6;
+    for (i, (ty, d, cols, n, post)) in cases.into_iter().enumerate() {
+        let (w, _) = super::cuda_kernels::weights(ty, d, cols, 90 + i as u64)?;
+        let w = DevBuf::from_bytes(l, &w)?;
+        let a: Vec<f32> = floats(n * cols, 100 + i as u64);
+        let ad = DevBuf::from_f32(l, &a)?;
+        let aq = DevBuf::new(l, n * cols / 32 * ops::Q8_1_BYTES)?;
+        ops::quantize_q8_1(&**l, ad.ptr, aq.ptr, n * cols)?;
+        let x: Vec<f32> = floats(n * d, 110 + i as u64)
+            .iter()
+            .map(|v| v * 4.0)
+            .collect();
+        let (nw, yw) = (floats(d, 120 + i as u64), floats(d, 130 + i as u64));
+        let (nwd, ywd) = (DevBuf::from_f32(l, &nw)?, DevBuf::from_f32(l, &yw)?);
+        let y_norm = post.then_some(ywd.ptr);
+        let q8_bytes = n * d / 32 * ops::Q8_1_BYTES;
+        // The unfused path.
+        let (y0, x0) = (DevBuf::new(l, n * d * 4)?, DevBuf::from_f32(l, &x)?);
+        let (h0, q0) = (DevBuf::new(l, n * d * 4)?, DevBuf::new(l, q8_bytes)?);
+        ops::gemv(&**l, ty, w.ptr, aq.ptr, y0.ptr, None, (d, cols, n))?;
+        let yarg = Some((y0.ptr, y_norm));
+        ops::add_rms_norm_q8(
+            &**l,
+            x0.ptr,
+            yarg,
+            nwd.ptr,
+            h0.ptr,
+            Some(q0.ptr),
+            (n, d),
+            eps,
+        )?;
+        let want: Vec<Vec<u8>> = vec![
+            bytes_of(&y0.to_f32()?),
+            bytes_of(&x0.to_f32()?),
+            bytes_of(&h0.to_f32()?),
+            q0.to_bytes()?,
+        ];
+        let done = DevBuf::new(l, ops::gemv_norm_done_bytes(n))?;
+        let (y1, h1, q1) = (
+            DevBuf::new(l, n * d * 4)?,
+            DevBuf::new(l, n * d * 4)?,
+            DevBuf::new(l, q8_bytes)?,
+        );
+        for round in 1..=2 {
+            let x1 = DevBuf::from_f32(l, &x)?;
+            let j = ops::NormJoin {
+                x: x1.ptr,
+                y_norm,
+                w: nwd.ptr,
+                out: h1.ptr,
+                q8: q1.ptr,
+                eps,
+            };
+            let secs = timed(l, || {
+                ops::gemv_norm(
+                    &**l,
+                    ty,
+                    (w.ptr, aq.ptr, y1.ptr),
+                    (d, cols, n),
+                    &j,
+                    done.ptr,
+                )
+            })?;
+            let got = [
+                bytes_of(&y1.to_f32()?),
+                bytes_of(&x1.to_f32()?),
+                bytes_of(&h1.to_f32()?),
+                q1.to_bytes()?,
+            ];
+            let differ: usize = (got.iter().zip(&want))
+                .map(|(g, w)| g.iter().zip(w).filter(|(a, b)| a != b).count())
+                .sum();
+            let kernel = ops::gemv_norm_kernel(ty).expect("a case of a fused type");
+            let norm = if post { " norm y +" } else { "" };
+            let shape = format!(
+                "{d}x{cols} {n} tok{norm} add + norm #{round} (bytes differing from gemv + add_rms_norm_q8)"
+            );
+            push(out, kernel, shape, differ as f64, 0.0, secs);
+        }
+    }
+    Ok(())
+}
+
+/// The bytes of f32 values, so that values are compared bit for bit.
+fn bytes_of(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 /// `gemv_glu_<type>` against `gemv_multi_<type>` of gate and up followed by `glu_q8`: the GLU

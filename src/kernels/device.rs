@@ -13,9 +13,9 @@ use anyhow::Result;
 use crate::kernels::cpu::backend::{CpuAct, CpuBackend, CpuKv, CpuWeight};
 use crate::kernels::cuda::backend::{CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight};
 use crate::model::backend::{
-    attention_block_steps, ffn_dense_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch,
-    AttnShape, Backend, DevicePick, DeviceSampler, DeviceSampling, HeadCopy, KvType, MatmulJob,
-    Rope, WeightSource,
+    attention_block_steps, ffn_dense_steps, then_join, AttnBatch, AttnBlock, AttnQuery,
+    AttnScratch, AttnShape, Backend, DevicePick, DeviceSampler, DeviceSampling, HeadCopy, Join,
+    KvType, MatmulJob, Rope, WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -176,6 +176,39 @@ impl DeviceBackend {
         v.gpu
             .as_ref()
             .expect("vectors are uploaded when CUDA is used")
+    }
+
+    /// A sublayer's join for the CPU backend: x moved to the CPU, as `add_rms_norm` would move it
+    /// to where the sublayer's output is.
+    fn join_cpu<'a>(&self, j: Join<'a, Self>) -> Join<'a, CpuBackend> {
+        let x = j.x;
+        self.place(x, false);
+        let DevAct::Cpu(x) = x else {
+            unreachable!("placed above")
+        };
+        Join {
+            x,
+            y_norm: j.y_norm.map(|v| &v.host),
+            w: &j.w.host,
+            eps: j.eps,
+            h: self.out_cpu(j.h),
+        }
+    }
+
+    /// A sublayer's join for the CUDA backend (x moved to the GPU, as for [`Self::join_cpu`]).
+    fn join_gpu<'a>(&self, j: Join<'a, Self>) -> Join<'a, CudaBackend> {
+        let x = j.x;
+        self.place(x, true);
+        let DevAct::Cuda(x) = x else {
+            unreachable!("placed above")
+        };
+        Join {
+            x,
+            y_norm: j.y_norm.map(|v| self.vec_gpu(v)),
+            w: self.vec_gpu(j.w),
+            eps: j.eps,
+            h: self.out_gpu(j.h),
+        }
     }
 }
 
@@ -378,22 +411,26 @@ impl Backend for DeviceBackend {
         gate: &mut DevAct,
         up: &mut DevAct,
         out: &mut DevAct,
+        join: Option<Join<'_, Self>>,
     ) {
         // The CPU backend's fused decode regions when the layer is on the CPU.
         if let (DevWeight::Cpu(g), DevWeight::Cpu(u), DevWeight::Cpu(d)) = ws {
             let (h, gate, up) = (self.to_cpu(h), self.out_cpu(gate), self.out_cpu(up));
+            let join = join.map(|j| self.join_cpu(j));
             return self
                 .cpu
-                .ffn_dense(&h, (g, u, d), act, gate, up, self.out_cpu(out));
+                .ffn_dense(&h, (g, u, d), act, gate, up, self.out_cpu(out), join);
         }
         // The CUDA backend's fused kernels when it is on the GPU.
         if let (DevWeight::Cuda(g), DevWeight::Cuda(u), DevWeight::Cuda(d)) = ws {
             let (h, gate, up) = (self.to_gpu(h), self.out_gpu(gate), self.out_gpu(up));
+            let join = join.map(|j| self.join_gpu(j));
             return self
                 .gpu()
-                .ffn_dense(&h, (g, u, d), act, gate, up, self.out_gpu(out));
+                .ffn_dense(&h, (g, u, d), act, gate, up, self.out_gpu(out), join);
         }
-        ffn_dense_steps(self, h, ws, act, gate, up, out)
+        ffn_dense_steps(self, h, ws, act, gate, up, out);
+        then_join(self, join, out)
     }
 
     fn attention_block(
@@ -405,6 +442,7 @@ impl Backend for DeviceBackend {
         batch: &AttnBatch<'_, '_>,
         s: AttnScratch<'_, Self>,
         out: &mut DevAct,
+        join: Option<Join<'_, Self>>,
     ) {
         // The CPU backend's fused decode region when the layer is on the CPU.
         fn cpu(w: &DevWeight) -> Option<&CpuWeight> {
@@ -442,9 +480,10 @@ impl Backend for DeviceBackend {
                 v: self.out_cpu(s.v),
                 attn: self.out_cpu(s.attn),
             };
+            let join = join.map(|j| self.join_cpu(j));
             return self
                 .cpu
-                .attention_block(&h, &b, c, layer, batch, s, self.out_cpu(out));
+                .attention_block(&h, &b, c, layer, batch, s, self.out_cpu(out), join);
         }
         fn gpu(w: &DevWeight) -> Option<&CudaWeight> {
             match w {
@@ -485,11 +524,13 @@ impl Backend for DeviceBackend {
                 v: self.out_gpu(s.v),
                 attn: self.out_gpu(s.attn),
             };
+            let join = join.map(|j| self.join_gpu(j));
             return self
                 .gpu()
-                .attention_block(&h, &b, c, layer, batch, s, self.out_gpu(out));
+                .attention_block(&h, &b, c, layer, batch, s, self.out_gpu(out), join);
         }
-        attention_block_steps(self, h, blk, kv, layer, batch, s, out)
+        attention_block_steps(self, h, blk, kv, layer, batch, s, out);
+        then_join(self, join, out)
     }
 
     fn kv_copy_blocks(&self, kv: &mut DevKv, pairs: &[(u32, u32)]) {
@@ -722,11 +763,11 @@ mod tests {
         let out = crate::kernels::cpu::fused::attention::tests::with_scratch(
             be,
             (qd, kvd, n_embd),
-            |s, out| be.attention_block(&h, &blk, &mut kv, 0, &batch, s, out),
+            |s, out| be.attention_block(&h, &blk, &mut kv, 0, &batch, s, out, None),
         );
         let (mut g, mut u, mut o) = (be.act(1, ff), be.act(1, ff), be.act(1, n_embd));
         let ws = (&mlp[0], &mlp[1], &down[0]);
-        be.ffn_dense(&out, ws, Activation::Silu, &mut g, &mut u, &mut o);
+        be.ffn_dense(&out, ws, Activation::Silu, &mut g, &mut u, &mut o, None);
         (out, o)
     }
 

@@ -196,6 +196,32 @@ pub struct AttnScratch<'a, B: Backend + ?Sized> {
     pub attn: &'a mut B::Act,
 }
 
+/// The residual join that follows a sublayer, handed to the sublayer so that a backend may fuse
+/// it into the sublayer's last matrix product: with the sublayer's output `y`,
+/// [`Backend::add_rms_norm`]`(x, y, y_norm, w, eps, h)` (x += y, normed by `y_norm` first when
+/// given; h = rms_norm(x) * w).
+pub struct Join<'a, B: Backend + ?Sized> {
+    pub x: &'a mut B::Act,
+    pub y_norm: Option<&'a B::Vector>,
+    pub w: &'a B::Vector,
+    pub eps: f32,
+    pub h: &'a mut B::Act,
+}
+
+impl<B: Backend + ?Sized> Join<'_, B> {
+    /// The join as its own step, on the sublayer's output `y`.
+    pub fn run(self, be: &B, y: &mut B::Act) {
+        be.add_rms_norm(self.x, y, self.y_norm, self.w, self.eps, self.h)
+    }
+}
+
+/// Runs `join` (when there is one) on the sublayer output `y`.
+pub fn then_join<B: Backend + ?Sized>(be: &B, join: Option<Join<'_, B>>, y: &mut B::Act) {
+    if let Some(j) = join {
+        j.run(be, y)
+    }
+}
+
 /// [`Backend::attention_block`] as its steps, one backend call each (its default, and a fusing
 /// backend's fallback).
 #[allow(clippy::too_many_arguments)]
@@ -350,9 +376,11 @@ pub trait Backend {
     /// gate = act(gate) * up.
     fn glu(&self, gate: &mut Self::Act, up: &Self::Act, act: Activation);
     /// The dense gated feed-forward: `gate = h · Gᵀ`, `up = h · Uᵀ`, `gate = act(gate) * up`,
-    /// `out = gate · Dᵀ`, each exactly as [`Backend::matmul_many`], [`Backend::glu`] and
-    /// [`Backend::matmul`] compute it (`gate` and `up` are the scratch rows). A backend may fuse
-    /// the steps (the CPU one runs a decode step's in two parallel regions).
+    /// `out = gate · Dᵀ`, then the `join` after it when given, each exactly as
+    /// [`Backend::matmul_many`], [`Backend::glu`], [`Backend::matmul`] and
+    /// [`Backend::add_rms_norm`] compute it (`gate` and `up` are the scratch rows). A backend may
+    /// fuse the steps (the CPU one runs a decode step's in two parallel regions, the CUDA one its
+    /// last product with the join).
     #[allow(clippy::too_many_arguments)]
     fn ffn_dense(
         &self,
@@ -362,8 +390,10 @@ pub trait Backend {
         gate: &mut Self::Act,
         up: &mut Self::Act,
         out: &mut Self::Act,
+        join: Option<Join<'_, Self>>,
     ) {
-        ffn_dense_steps(self, h, (gate_w, up_w, down_w), act, gate, up, out)
+        ffn_dense_steps(self, h, (gate_w, up_w, down_w), act, gate, up, out);
+        then_join(self, join, out)
     }
     /// Write rows of k and v into the cache at the given physical slots (block * block_size + offset).
     fn kv_write(
@@ -404,9 +434,11 @@ pub trait Backend {
         anyhow::bail!("the {} backend cannot load a saved KV cache", self.name())
     }
     /// A whole attention sublayer with plain projections (see [`AttnBlock`]), its output into
-    /// `out` (n, n_embd), every value as [`attention_block_steps`] computes it (the scratch rows
-    /// are left unspecified). A backend may fuse the steps (the CPU one runs a decode step's
-    /// Q/K/V projections, RoPE and attention in one parallel region).
+    /// `out` (n, n_embd), then the `join` after it when given, every value as
+    /// [`attention_block_steps`] and [`Join::run`] compute it (the scratch rows are left
+    /// unspecified). A backend may fuse the steps (the CPU one runs a decode step's Q/K/V
+    /// projections, RoPE and attention in one parallel region, the CUDA one the output product
+    /// with the join).
     #[allow(clippy::too_many_arguments)]
     fn attention_block(
         &self,
@@ -417,8 +449,10 @@ pub trait Backend {
         batch: &AttnBatch<'_, '_>,
         s: AttnScratch<'_, Self>,
         out: &mut Self::Act,
+        join: Option<Join<'_, Self>>,
     ) {
-        attention_block_steps(self, h, blk, kv, layer, batch, s, out)
+        attention_block_steps(self, h, blk, kv, layer, batch, s, out);
+        then_join(self, join, out)
     }
     /// Causal attention of each q row over its sequence's cached keys and values.
     fn attention(

@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 
 use crate::model::backend::{
     AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Backend, DevicePick, DeviceSampler,
-    Rope,
+    Join, Rope,
 };
 use crate::model::config::ModelConfig;
 use crate::model::weights::{Attn, Ffn, Weights};
@@ -202,7 +202,8 @@ impl<B: Backend> Model<B> {
         let (d, qd, kvd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
         let mut x = be.act(n, d); // (n, n_embd) residual stream
         be.embed(&w.token_embd, &tokens, cfg.embd_scale, &mut x);
-        let mut h = be.act(n, d); // (n, n_embd) normed input of a block
+        let mut h = be.act(n, d); // (n, n_embd) normed input of an attention block
+        let mut hf = be.act(n, d); // (n, n_embd) normed input of a feed-forward block
         let mut q = be.act(n, qd); // (n, n_head * head_dim)
         let mut k = be.act(n, kvd); // (n, n_head_kv * head_dim)
         let mut v = be.act(n, kvd);
@@ -213,16 +214,10 @@ impl<B: Backend> Model<B> {
         let mut up = be.act(n, ff);
 
         let mut by_window: Vec<(Option<u32>, Vec<AttnQuery<'_>>)> = Vec::new();
+        be.rms_norm(&x, &w.layers[0].attn_norm, cfg.norm_eps, &mut h);
         for (il, (lw, lc)) in w.layers.iter().zip(&cfg.layers).take(layers).enumerate() {
-            // attention block; the previous layer's feed-forward output joins the residual stream
-            // here, in one step with this norm
-            match il {
-                0 => be.rms_norm(&x, &lw.attn_norm, cfg.norm_eps, &mut h),
-                _ => {
-                    let pn = w.layers[il - 1].post_ffn_norm.as_ref();
-                    be.add_rms_norm(&mut x, &mut o, pn, &lw.attn_norm, cfg.norm_eps, &mut h);
-                }
-            }
+            // attention block: h holds its normed input (each sublayer's output joins the residual
+            // stream in one step with the next norm, which the sublayer is handed as its `Join`)
             // The queries of each distinct window, built once a forward (not once a layer).
             let wi = match by_window.iter().position(|(w, _)| *w == lc.window) {
                 Some(i) => i,
@@ -254,6 +249,10 @@ impl<B: Backend> Model<B> {
                     cfg.attn_scale
                 },
             };
+            // The last layer keeps only the rows that want logits from here on; then the join
+            // runs after the rows are gathered.
+            let gathers = il + 1 == layers && want.len() < n;
+            let pn = lw.post_attn_norm.as_ref();
             match (&lw.attn, &cfg.mla) {
                 (Attn::Mha(a), None) => {
                     let blk = AttnBlock {
@@ -287,7 +286,14 @@ impl<B: Backend> Model<B> {
                         v: &mut v,
                         attn: &mut attn,
                     };
-                    be.attention_block(&h, &blk, kv, il, &at, s, &mut o);
+                    let join = (!gathers).then_some(Join {
+                        x: &mut x,
+                        y_norm: pn,
+                        w: &lw.ffn_norm,
+                        eps: cfg.norm_eps,
+                        h: &mut hf,
+                    });
+                    be.attention_block(&h, &blk, kv, il, &at, s, &mut o, join);
                 }
                 (Attn::Mla(a), Some(m)) => {
                     (q, k, v) = mla::qkv(be, cfg, m, a, &h, &positions, lc.rope_base);
@@ -297,11 +303,14 @@ impl<B: Backend> Model<B> {
                     be.kv_write(kv, il, &k, &v, &slots);
                     be.attention(&q, kv, il, queries, shape, &mut attn);
                     be.matmul(&lw.wo, &mla::values(be, cfg, m, &attn), None, &mut o);
+                    if !gathers {
+                        be.add_rms_norm(&mut x, &mut o, pn, &lw.ffn_norm, cfg.norm_eps, &mut hf);
+                    }
                 }
                 (Attn::Mha(_), Some(_)) => bail!("plain attention weights with MLA dimensions"),
                 (Attn::Mla(_), None) => bail!("MLA weights without MLA dimensions"),
             }
-            if il + 1 == layers && want.len() < n {
+            if gathers {
                 // Only the rows that want logits go on (llama.cpp's `inp_out_ids`).
                 if want.is_empty() {
                     return Ok(None);
@@ -309,17 +318,30 @@ impl<B: Backend> Model<B> {
                 o = be.gather_rows(&o, &want);
                 x = be.gather_rows(&x, &want);
                 h = be.act(want.len(), d);
+                hf = be.act(want.len(), d);
                 gate = be.act(want.len(), ff);
                 up = be.act(want.len(), ff);
+                be.add_rms_norm(&mut x, &mut o, pn, &lw.ffn_norm, cfg.norm_eps, &mut hf);
             }
 
-            // feed-forward block
-            let pn = lw.post_attn_norm.as_ref();
-            be.add_rms_norm(&mut x, &mut o, pn, &lw.ffn_norm, cfg.norm_eps, &mut h);
+            // feed-forward block: hf holds its normed input; its output joins the residual stream
+            // with the next layer's norm, or after the last layer with the final norm
+            let next_norm = match w.layers.get(il + 1).filter(|_| il + 1 < layers) {
+                Some(next) => &next.attn_norm,
+                None => &w.output_norm,
+            };
+            let join = Join {
+                x: &mut x,
+                y_norm: lw.post_ffn_norm.as_ref(),
+                w: next_norm,
+                eps: cfg.norm_eps,
+                h: &mut h,
+            };
             match &lw.ffn {
                 Ffn::Dense(m) => {
                     let ws = (&m.gate, &m.up, &m.down);
-                    be.ffn_dense(&h, ws, cfg.activation, &mut gate, &mut up, &mut o);
+                    let (act, join) = (cfg.activation, Some(join));
+                    be.ffn_dense(&hf, ws, act, &mut gate, &mut up, &mut o, join);
                 }
                 Ffn::Moe {
                     router,
@@ -328,23 +350,20 @@ impl<B: Backend> Model<B> {
                     shared,
                 } => {
                     let bias = select_bias.as_deref();
-                    o = moe::ffn(be, cfg, router, bias, experts, shared.as_ref(), &h)?;
+                    o = moe::ffn(be, cfg, router, bias, experts, shared.as_ref(), &hf)?;
+                    join.run(be, &mut o);
                 }
             }
         }
 
-        // output head: x holds only the rows that want logits now; the last layer's feed-forward
-        // output (in o) joins it with the final norm
+        // output head: h holds the final norm of the rows that want logits
         if want.is_empty() {
             return Ok(None);
         }
-        let mut hs = be.act(want.len(), d);
-        let pn = w.layers[layers - 1].post_ffn_norm.as_ref();
-        be.add_rms_norm(&mut x, &mut o, pn, &w.output_norm, cfg.norm_eps, &mut hs);
         let mut logits = be.act_for_overwrite(want.len(), cfg.vocab_size); // the head writes all
         be.matmul(
             w.output.as_ref().unwrap_or(&w.token_embd),
-            &hs,
+            &h,
             None,
             &mut logits,
         );

@@ -29,8 +29,8 @@ use crate::kernels::cpu::ops;
 use crate::kernels::cpu::ops::rope::RopeTables;
 use crate::kernels::cpu::threads::pool::ThreadPool;
 use crate::model::backend::{
-    attention_block_steps, ffn_dense_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch,
-    AttnShape, Backend, HeadCopy, KvType, MatmulJob, Rope, WeightSource,
+    attention_block_steps, ffn_dense_steps, then_join, AttnBatch, AttnBlock, AttnQuery,
+    AttnScratch, AttnShape, Backend, HeadCopy, Join, KvType, MatmulJob, Rope, WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -786,10 +786,12 @@ impl Backend for CpuBackend {
         gate: &mut CpuAct,
         up: &mut CpuAct,
         out: &mut CpuAct,
+        join: Option<Join<'_, Self>>,
     ) {
         if !ffn::decode(&self.pool, h, ws, act, gate, up, out) {
             ffn_dense_steps(self, h, ws, act, gate, up, out);
         }
+        then_join(self, join, out)
     }
 
     fn kv_copy_blocks(&self, kv: &mut CpuKv, pairs: &[(u32, u32)]) {
@@ -842,11 +844,13 @@ impl Backend for CpuBackend {
         batch: &AttnBatch<'_, '_>,
         s: AttnScratch<'_, Self>,
         out: &mut CpuAct,
+        join: Option<Join<'_, Self>>,
     ) {
         kv.note_slots(batch.slots);
         if let Err(s) = fused::attention::decode(self, h, blk, kv, layer, batch, s, out) {
             attention_block_steps(self, h, blk, kv, layer, batch, s, out);
         }
+        then_join(self, join, out)
     }
 
     fn attention(

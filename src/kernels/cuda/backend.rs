@@ -20,9 +20,9 @@ use super::ops;
 use super::sublayers::Q8Ready;
 use crate::format::GgmlType;
 use crate::model::backend::{
-    attention_block_steps, ffn_dense_steps, AttnBatch, AttnBlock, AttnQuery, AttnScratch,
-    AttnShape, Backend, CacheType, DevicePick, DeviceSampler, DeviceSampling, HeadCopy, KvType,
-    MatmulJob, Rope, WeightSource,
+    attention_block_steps, ffn_dense_steps, then_join, AttnBatch, AttnBlock, AttnQuery,
+    AttnScratch, AttnShape, Backend, CacheType, DevicePick, DeviceSampler, DeviceSampling,
+    HeadCopy, Join, KvType, MatmulJob, Rope, WeightSource,
 };
 use crate::model::config::Activation;
 
@@ -70,8 +70,9 @@ impl CudaKv {
 
 pub struct CudaBackend {
     pub(super) l: Arc<dyn Launch>,
-    /// Grow-only scratch: q8_1 activations, attention partials, sampled rows, the fused FFN's.
-    pub(super) scratch: Mutex<[Option<DevBuf>; 5]>,
+    /// Grow-only scratch: q8_1 activations, attention partials, sampled rows, the fused FFN's and
+    /// the fused norm's.
+    pub(super) scratch: Mutex<[Option<DevBuf>; 7]>,
     /// The sample table last uploaded to the `SAMPLE` scratch buffer (so an unchanged one is
     /// not uploaded again).
     sample_table: Mutex<Vec<u8>>,
@@ -99,6 +100,9 @@ pub(super) const SAMPLE: usize = 2;
 /// The fused FFN's q8_1 output (apart from its input's, in `Q8`) and its arrival counters.
 pub(super) const Q8_GLU: usize = 3;
 pub(super) const GLU_DONE: usize = 4;
+/// The fused output product + norm's q8_1 output and arrival counters.
+pub(super) const Q8_NORM: usize = 5;
+pub(super) const NORM_DONE: usize = 6;
 
 /// Unwraps the result of an op; see the module docs for why this ends the process.
 pub(super) fn ok<T>(what: &str, r: Result<T>) -> T {
@@ -116,7 +120,7 @@ impl CudaBackend {
     pub fn new(l: Arc<dyn Launch>) -> CudaBackend {
         CudaBackend {
             l,
-            scratch: Mutex::new([None, None, None, None, None]),
+            scratch: Mutex::new(Default::default()),
             sample_table: Mutex::new(Vec::new()),
             tables: Mutex::new(Vec::with_capacity(TABLES)),
             epoch: AtomicU64::new(0),
@@ -406,15 +410,18 @@ impl Backend for CudaBackend {
         gate: &mut CudaAct,
         up: &mut CudaAct,
         out: &mut CudaAct,
+        join: Option<Join<'_, Self>>,
     ) {
-        // Decode: gate, up and the GLU in one launch where it applies (sublayers.rs).
+        // Decode: gate, up and the GLU in one launch where it applies, then the down product with
+        // the join (sublayers.rs).
         if ok(
             "ffn",
             self.try_gate_up_glu(h, (gate_w, up_w), act, gate, up),
         ) {
-            self.matmul(down_w, gate, None, out);
+            ok("ffn", self.try_matmul_join(gate, down_w, out, join));
         } else {
             ffn_dense_steps(self, h, (gate_w, up_w, down_w), act, gate, up, out);
+            then_join(self, join, out)
         }
     }
 
@@ -476,14 +483,16 @@ impl Backend for CudaBackend {
         batch: &AttnBatch<'_, '_>,
         s: AttnScratch<'_, Self>,
         out: &mut CudaAct,
+        join: Option<Join<'_, Self>>,
     ) {
         let hd = batch.shape.head_dim;
         if !hd.is_multiple_of(2) || hd > ops::ATTN_MAX_HD || blk.rope.head_dim != hd {
-            return attention_block_steps(self, h, blk, kv, layer, batch, s, out);
+            attention_block_steps(self, h, blk, kv, layer, batch, s, out);
+            return then_join(self, join, out);
         }
         ok(
             "attention_block",
-            self.try_attention_block(h, blk, kv, layer, batch, s, out),
+            self.try_attention_block(h, blk, kv, layer, batch, s, out, join),
         )
     }
 

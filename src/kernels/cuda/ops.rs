@@ -247,6 +247,76 @@ pub fn gemv_glu(
     l.launch(name, grid, [128, 1, 1], &args)
 }
 
+/// The fused output product + residual join kernel for weights of `ty` (`GEMV_NORM` in fused.cu).
+pub fn gemv_norm_kernel(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::Q4_0 => "gemv_norm_q4_0",
+        GgmlType::Q5_0 => "gemv_norm_q5_0",
+        GgmlType::Q8_0 => "gemv_norm_q8_0",
+        GgmlType::Q4K => "gemv_norm_q4_k",
+        GgmlType::Q6K => "gemv_norm_q6_k",
+        _ => return None,
+    })
+}
+
+/// Bytes of the arrival counters [`gemv_norm`] needs for `ntok` tokens (zeroed once; every launch
+/// leaves them zero).
+pub fn gemv_norm_done_bytes(ntok: usize) -> usize {
+    4 * ntok.div_ceil(GEMV_TOKENS)
+}
+
+/// The residual join [`gemv_norm`] runs after its product: `x += y` (normed by `y_norm` first
+/// when given), `out = rms_norm(x) * w` and its q8_1 blocks `q8` (device addresses).
+#[derive(Clone, Copy, Debug)]
+pub struct NormJoin {
+    pub x: u64,
+    pub y_norm: Option<u64>,
+    pub w: u64,
+    pub out: u64,
+    pub q8: u64,
+    pub eps: f32,
+}
+
+/// A sublayer's last product and the join after it in one launch: y (ntok × rows) = xq · Wᵀ, then
+/// [`add_rms_norm_q8`] of `j` with y, exactly as those two launches compute them. `rows` a
+/// multiple of 32; `done`: [`gemv_norm_done_bytes`] of zeros. For one or a few tokens: one block
+/// runs the join of a tile's rows after the product.
+pub fn gemv_norm(
+    l: &dyn Launch,
+    ty: GgmlType,
+    (w, xq, y): (u64, u64, u64),
+    (rows, cols, ntok): (usize, usize, usize),
+    j: &NormJoin,
+    done: u64,
+) -> Result<()> {
+    let Some(name) = gemv_norm_kernel(ty) else {
+        bail!("no fused product + norm kernel for {}", ty.name());
+    };
+    if !rows.is_multiple_of(32) || rows == 0 {
+        bail!("{name}: rows of {rows} are not whole q8_1 blocks");
+    }
+    if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) && !w.is_multiple_of(16) {
+        bail!("{name} reads 16-byte-aligned weights");
+    }
+    let args = [
+        Arg::Ptr(xq),
+        i32a(cols),
+        i32a(ntok),
+        Arg::Ptr(w),
+        Arg::Ptr(y),
+        i32a(rows),
+        Arg::Ptr(j.x),
+        Arg::Ptr(j.y_norm.unwrap_or(0)),
+        Arg::Ptr(j.w),
+        Arg::Ptr(j.out),
+        Arg::Ptr(j.q8),
+        Arg::Ptr(done),
+        Arg::F32(j.eps),
+    ];
+    let grid = [(rows / 4) as u32, ntok.div_ceil(GEMV_TOKENS) as u32, 1];
+    l.launch(name, grid, [128, 1, 1], &args)
+}
+
 /// out (n × rows) = x · Wᵀ on the integer tensor cores for a `rows × cols` weight of type `ty`
 /// (one of [`gemm_kernel`]) and `n` tokens of q8_1 blocks `xq`; the same sums as [`gemv`], for
 /// prefill-sized `n`.

@@ -63,10 +63,15 @@ fn matmul_type(name: &str) -> Option<GgmlType> {
 
 /// (rows, cols, tokens) of a `gemv_multi_<type>` launch: (xq, cols, tokens, then per matrix w,
 /// out, bias, rows), the rows of all its matrices summed; or of a `gemv_glu_<type>` launch (xq,
-/// cols, tokens, w_gate, gate, w_up, up, ff, ..): both matrices' 2 ff rows.
+/// cols, tokens, w_gate, gate, w_up, up, ff, ..): both matrices' 2 ff rows; or of a
+/// `gemv_norm_<type>` launch (xq, cols, tokens, w, y, rows, ..).
 fn multi_shape(t: &Timed) -> Option<(GgmlType, u64, u64, u64)> {
     if let Some(ty) = t.name.strip_prefix("gemv_glu_") {
         let rows = 2 * int(&t.args, 7)?;
+        return Some((weight_type(ty)?, rows, int(&t.args, 1)?, int(&t.args, 2)?));
+    }
+    if let Some(ty) = t.name.strip_prefix("gemv_norm_") {
+        let rows = int(&t.args, 5)?;
         return Some((weight_type(ty)?, rows, int(&t.args, 1)?, int(&t.args, 2)?));
     }
     let ty = weight_type(t.name.strip_prefix("gemv_multi_")?)?;
@@ -99,7 +104,14 @@ pub fn launch_bytes(t: &Timed) -> Option<u64> {
             true => n * rows * 4 + n * rows / 2 * 4 + q8(n * rows / 2),
             false => 0,
         };
-        return Some(weight_bytes(t)? + q8(n * cols) + n * rows * 4 + glu);
+        // A fused join reads the product back, reads and writes the residual, writes the normed
+        // rows and their q8_1 blocks, and reads its norm weights (the product's too, with a norm
+        // of the product: argument 7).
+        let join = match t.name.starts_with("gemv_norm_") {
+            true => n * rows * 4 * 4 + (1 + ptr_set(a, 7) as u64) * rows * 4 + q8(n * rows),
+            false => 0,
+        };
+        return Some(weight_bytes(t)? + q8(n * cols) + n * rows * 4 + glu + join);
     }
     if let Some(ty) = matmul_type(&t.name) {
         // (w, x, out, rows, cols, tokens, ..)

@@ -1,7 +1,8 @@
 //! The CUDA backend's steps of several kernels, apart from `backend.rs`'s one-op-one-kernel
 //! methods: matmuls (GEMV or tensor-core GEMM by row count, GEMVs of one type sharing a launch),
-//! the fused residual add + norm, the decode FFN's gate/up/GLU launch, the attention sublayer
-//! (Q/K/V products, `rope_kv`, attention, output product) and attention itself; and the record of
+//! the fused residual add + norm, the decode FFN's gate/up/GLU launch, a sublayer's last product
+//! with the residual join after it, the attention sublayer (Q/K/V products, `rope_kv`, attention,
+//! output product) and attention itself; and the record of
 //! the q8_1 blocks a fused kernel wrote of its output, which lets the matmul that reads that
 //! output next skip its quantize launch.
 
@@ -10,10 +11,13 @@ use std::sync::atomic::Ordering;
 use anyhow::{bail, Result};
 
 use super::backend::{
-    i32s, CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight, GLU_DONE, PART, Q8, Q8_GLU,
+    i32s, CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight, GLU_DONE, NORM_DONE, PART, Q8, Q8_GLU,
+    Q8_NORM,
 };
 use super::ops::{self, AttnArgs, RopeKv};
-use crate::model::backend::{AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, MatmulJob};
+use crate::model::backend::{
+    AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Join, MatmulJob,
+};
 use crate::model::config::Activation;
 
 /// Whether the decode FFN's gate, up and GLU share a launch (`INFER_CUDA_FUSED_FFN=0`: not, for
@@ -22,6 +26,18 @@ fn fused_ffn() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("INFER_CUDA_FUSED_FFN").as_deref() != Ok("0"))
 }
+
+/// Whether a sublayer's last product and the residual join after it share a launch
+/// (`INFER_CUDA_FUSED_NORM=0`: not, for measuring the difference on a GPU).
+fn fused_norm() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("INFER_CUDA_FUSED_NORM").as_deref() != Ok("0"))
+}
+
+/// Most rows for which the join runs inside the product's launch: its last block normalises the
+/// rows one after another (about what a launch of `add_rms_norm_q8` costs for one row, where
+/// that kernel takes the rows in parallel).
+const FUSED_NORM_ROWS: usize = 1;
 
 /// q8_1 blocks of an activation, valid while [`CudaBackend::epoch`] equals `epoch`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -105,6 +121,62 @@ impl CudaBackend {
         ops::gemv_glu(l, gw.ty, xq, g, u, shape, (q8, done), act)?;
         self.set_q8(gate, q8);
         Ok(true)
+    }
+
+    /// `out = x · Wᵀ`, then the residual `join` (when given) on it, the two in one launch
+    /// ([`ops::gemv_norm`]) for a lone row: the join's output and its q8_1 blocks (on record for
+    /// the next matmul) as `add_rms_norm_q8` writes them. Elsewhere (more rows, a weight type
+    /// without the kernel, widths not whole q8_1 blocks, a join of another width, or
+    /// `INFER_CUDA_FUSED_NORM=0`) the matmul and then the join.
+    pub(super) fn try_matmul_join(
+        &self,
+        x: &CudaAct,
+        w: &CudaWeight,
+        out: &mut CudaAct,
+        join: Option<Join<'_, Self>>,
+    ) -> Result<()> {
+        let Some(j) = join else {
+            return self.try_matmul_many(x, &mut [(w, None, out)]);
+        };
+        let (n, d) = (x.rows, w.rows);
+        let fits = |a: &CudaAct| (a.rows, a.cols) == (n, d);
+        if !fused_norm()
+            || n > FUSED_NORM_ROWS
+            || ops::gemv_norm_kernel(w.ty).is_none()
+            || w.cols != x.cols
+            || !x.cols.is_multiple_of(32)
+            || !d.is_multiple_of(32)
+            || j.w.len != d
+            || j.y_norm.is_some_and(|v| v.len != d)
+            || !(fits(out) && fits(j.x) && fits(j.h))
+        {
+            self.try_matmul_many(x, &mut [(w, None, &mut *out)])?;
+            j.run(self, out);
+            return Ok(());
+        }
+        let ready = self.q8_of(x); // before `l()`, which marks every record stale
+        let l = self.l();
+        let xq = match ready {
+            Some(q8) => q8, // attention or the GLU just wrote them
+            None => {
+                let q8 = self.scratch(Q8, n * x.cols / 32 * ops::Q8_1_BYTES)?;
+                ops::quantize_q8_1(l, x.buf.ptr, q8, n * x.cols)?;
+                q8
+            }
+        };
+        let args = ops::NormJoin {
+            x: j.x.buf.ptr,
+            y_norm: j.y_norm.map(|v| v.buf.ptr),
+            w: j.w.buf.ptr,
+            out: j.h.buf.ptr,
+            q8: self.scratch(Q8_NORM, n * d / 32 * ops::Q8_1_BYTES)?,
+            eps: j.eps,
+        };
+        let done = self.scratch(NORM_DONE, ops::gemv_norm_done_bytes(n))?;
+        let (ptrs, shape) = ((w.buf.ptr, xq, out.buf.ptr), (d, x.cols, n));
+        ops::gemv_norm(l, w.ty, ptrs, shape, &args, done)?;
+        self.set_q8(j.h, args.q8);
+        Ok(())
     }
 
     pub(super) fn try_matmul_many(
@@ -219,6 +291,7 @@ impl CudaBackend {
         batch: &AttnBatch<'_, '_>,
         s: AttnScratch<'_, Self>,
         out: &mut CudaAct,
+        join: Option<Join<'_, Self>>,
     ) -> Result<()> {
         self.try_matmul_many(
             h,
@@ -253,7 +326,7 @@ impl CudaBackend {
             &r,
         )?;
         self.try_attention(s.q, kv, layer, batch.queries, sh, s.attn)?;
-        self.try_matmul_many(s.attn, &mut [(blk.wo, None, out)])
+        self.try_matmul_join(s.attn, blk.wo, out, join)
     }
 
     pub(super) fn try_attention(

@@ -370,7 +370,7 @@ mod tests {
                         be.matmul(d, &g1, None, &mut o1);
                         let (mut g2, mut u2, mut o2) =
                             (be.act(n, ff), be.act(n, ff), be.act(n, d.rows));
-                        be.ffn_dense(&h, (g, u, d), act, &mut g2, &mut u2, &mut o2);
+                        be.ffn_dense(&h, (g, u, d), act, &mut g2, &mut u2, &mut o2, None);
                         let case = format!("{act:?} {:?}/{:?} n={n}", g.ty, d.ty);
                         assert!(same_bits(&g1.data, &g2.data), "{case}: gate");
                         assert!(same_bits(&u1.data, &u2.data), "{case}: up");
@@ -407,7 +407,15 @@ mod tests {
             be.matmul(d, &g1, None, &mut o1);
             for run in 0..8 {
                 let (mut g2, mut u2, mut o2) = (be.act(1, ff), be.act(1, ff), be.act(1, d.rows));
-                be.ffn_dense(&h, (g, u, d), Activation::Silu, &mut g2, &mut u2, &mut o2);
+                be.ffn_dense(
+                    &h,
+                    (g, u, d),
+                    Activation::Silu,
+                    &mut g2,
+                    &mut u2,
+                    &mut o2,
+                    None,
+                );
                 let case = format!("{threads} threads, run {run}");
                 assert!(same_bits(&g1.data, &g2.data), "{case}: gate");
                 assert!(same_bits(&u1.data, &u2.data), "{case}: up");
