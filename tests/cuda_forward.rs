@@ -440,6 +440,45 @@ fn a_decode_step_launches_the_fused_kernels() {
     }
 }
 
+/// With row-invariant numerics (speculative verification), every row of a 12-row batch (past the
+/// 8 rows a GEMV takes, so the tensor-core GEMM and the tiled prefill attention would run) is the
+/// one-row forward's bit for bit; without them the rows differ, so the check can tell. gemma3
+/// runs with a q8_0 cache (split-KV decoding of its blocks against the tiled prefill kernel, which
+/// does not round the query to q8_0: its matrices alone are too narrow for the GEMM's sums to come
+/// out another way, a lane's two sub-blocks).
+#[test]
+fn row_invariant_batches_equal_one_row_forwards() {
+    let prompt: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 500).collect();
+    use infer::model::backend::{CacheType, KvType};
+    let q8 = Some(KvType::of(CacheType::Q8_0, CacheType::Q8_0));
+    for (name, ty, kv) in [("qwen2", "q8_0", None), ("gemma3", "q5_0", q8)] {
+        let path = convert(&fixture(name), name, ty);
+        let l = cuda_emu::emulator();
+        let r = check_forward::row_invariance(l, &path, &prompt, kv).unwrap();
+        eprintln!("{name} {ty}: {r:?}");
+        assert_eq!(r.rows, 12);
+        assert_eq!(r.differ_on, 0, "{name} {ty}: {r:?}");
+        assert!(r.differ_off >= 11, "{name} {ty}: {r:?}");
+    }
+}
+
+/// Prompt-lookup drafts of up to 12 tokens verified in the scheduler's batches on the CUDA
+/// backend change no greedy token: speculation end to end on the device (drafted rows' logits
+/// brought back, the rest sampled there). The fixture's greedy choices have wide margins, so this
+/// passes with or without row-invariant numerics (tried); the bit-level property is
+/// `row_invariant_batches_equal_one_row_forwards`.
+#[test]
+fn lookup_drafts_on_the_device_change_no_greedy_token() {
+    let path = convert(&fixture("qwen2"), "qwen2", "q8_0");
+    let part: Vec<u32> = (0..10).map(|i| (i * 37 + 5) % 500).collect();
+    let prompt = [part.clone(), part.clone(), part].concat();
+    let r = check_forward::speculative(cuda_emu::emulator(), &path, &prompt, 40, 12).unwrap();
+    eprintln!("{r:?}");
+    assert_eq!(r.plain.len(), 40);
+    assert_eq!(r.lookup, r.plain);
+    assert!(r.drafted > 0 && r.accepted > 0, "{r:?}");
+}
+
 /// 64 greedy tokens, each backend feeding back its own choices (what `infer selftest -m` checks
 /// on a GPU): the f32 file agrees to the last token; the quantized ones agree or first differ
 /// at a CPU near tie (measured: all 64 agree on both).

@@ -190,6 +190,57 @@ pub fn greedy(
     Ok(GreedyCheck { steps, agreed, gap })
 }
 
+/// Row invariance on the CUDA backend: a prompt's logits computed as one batch, against the same
+/// prompt one token a forward.
+#[derive(Clone, Debug)]
+pub struct InvarianceCheck {
+    /// Rows compared (the prompt's tokens).
+    pub rows: usize,
+    /// Rows of the batch with `set_row_invariant(true)` that are not bit for bit the one-token
+    /// forwards' (what speculative verification relies on: must be 0).
+    pub differ_on: usize,
+    /// The same without it (the tensor-core GEMM and tiled attention take other sums, so
+    /// usually all of them with more than 8 rows).
+    pub differ_off: usize,
+}
+
+/// [`InvarianceCheck`] for the model at `path` on the CUDA backend over `l`, with the KV cache in
+/// `kv` when given (else the model's own type).
+pub fn row_invariance(
+    l: Arc<dyn Launch>,
+    path: &Path,
+    prompt: &[u32],
+    kv: Option<KvType>,
+) -> Result<InvarianceCheck> {
+    let g = Arc::new(Gguf::open(path).with_context(|| format!("reading {}", path.display()))?);
+    let n_ctx = (3 * prompt.len() + 1).next_multiple_of(BLOCK_SIZE);
+    let mut r = runner_with(&g, CudaBackend::new(l), n_ctx, kv)?;
+    let mut seq = Sequence::new(prompt[..1].to_vec());
+    let mut alone = r.compute_all(&mut seq)?;
+    for &t in &prompt[1..] {
+        alone.push(r.extend(&mut seq, &[t])?);
+    }
+    let mut batch = |invariant: bool| -> Result<usize> {
+        r.model.backend.set_row_invariant(invariant);
+        let rows = r.compute_all(&mut Sequence::new(prompt.to_vec()));
+        r.model.backend.set_row_invariant(false);
+        let same =
+            |a: &Vec<f32>, b: &Vec<f32>| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        Ok(rows?
+            .iter()
+            .zip(&alone)
+            .filter(|(a, b)| !same(a, b))
+            .count())
+    };
+    let differ_on = batch(true)?;
+    let differ_off = batch(false)?;
+    Ok(InvarianceCheck {
+        rows: prompt.len(),
+        differ_on,
+        differ_off,
+    })
+}
+
 fn compare<B: Backend>(
     path: &Path,
     prompt: &[u32],
@@ -405,6 +456,78 @@ pub fn sampled(
         device_samples,
         scheduler,
         scheduler_device_samples,
+    })
+}
+
+/// Greedy decoding on the CUDA backend with prompt-lookup drafts verified in the scheduler's
+/// batches (row-invariant numerics), against the same request without drafts.
+#[derive(Clone, Debug)]
+pub struct SpeculativeCheck {
+    pub plain: Vec<u32>,
+    pub lookup: Vec<u32>,
+    /// Draft tokens proposed and accepted in the lookup run.
+    pub drafted: u64,
+    pub accepted: u64,
+}
+
+/// [`SpeculativeCheck`] of `steps` tokens after `prompt` (which should repeat itself, so that the
+/// n-gram drafter finds something), with drafts of up to `draft_max` tokens.
+pub fn speculative(
+    l: Arc<dyn Launch>,
+    path: &Path,
+    prompt: &[u32],
+    steps: usize,
+    draft_max: usize,
+) -> Result<SpeculativeCheck> {
+    use crate::engine::request::{Event, LookupSpec};
+    use crate::engine::scheduler::{Scheduler, SchedulerConfig};
+    let g = Arc::new(Gguf::open(path).with_context(|| format!("reading {}", path.display()))?);
+    let n_ctx = (prompt.len() + steps + draft_max + 2).next_multiple_of(BLOCK_SIZE);
+    let n_layer = ModelConfig::from_gguf(&g)?.n_layer;
+    let tok = crate::tokenizer::Tokenizer::from_gguf(&g)?;
+    let params = crate::engine::generate::GenParams {
+        max_tokens: steps,
+        sampler: crate::engine::sampler::SamplerConfig {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        stop: Vec::new(),
+        ignore_eos: true,
+        constraint: None,
+    };
+    let run = |lookup: Option<LookupSpec>| -> Result<(Vec<u32>, u64, u64)> {
+        let cuda = CudaBackend::new(l.clone());
+        let backend = DeviceBackend::hybrid(CpuBackend::new(2), cuda, n_layer, n_layer);
+        let mut r = runner(&g, backend, n_ctx)?;
+        let mut sched = Scheduler::new(SchedulerConfig::default());
+        let mut spec = spec_of(prompt, &params);
+        spec.lookup = lookup;
+        sched.submit(0, spec)?;
+        let (mut tokens, mut events) = (Vec::new(), Vec::new());
+        'run: loop {
+            sched.step(&mut r, &tok, &mut events)?;
+            for (_, e) in events.drain(..) {
+                match e {
+                    Event::Token { id, .. } => tokens.push(id),
+                    Event::Done(_) => break 'run,
+                    Event::Error(m) => anyhow::bail!("{m}"),
+                    _ => {}
+                }
+            }
+        }
+        let st = sched.stats();
+        Ok((tokens, st.drafted, st.accepted))
+    };
+    let (plain, _, _) = run(None)?;
+    let (lookup, drafted, accepted) = run(Some(LookupSpec {
+        ngram: 3,
+        draft_max,
+    }))?;
+    Ok(SpeculativeCheck {
+        plain,
+        lookup,
+        drafted,
+        accepted,
     })
 }
 

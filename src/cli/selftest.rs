@@ -1,7 +1,7 @@
 //! `infer selftest`: on a machine with a CUDA GPU, runs every kernel check of
 //! `check::cuda_kernels` (the ones the tests run on the CPU emulator) on the real device, and
-//! optionally a whole forward pass of a model on both backends (its logits, and 64 greedy tokens
-//! each backend chooses on its own), and prints a pass/fail table with timings on stdout. Exit
+//! optionally a whole forward pass of a model on both backends (its logits, 64 greedy tokens
+//! each backend chooses on its own, and the CUDA backend's row invariance), and prints a pass/fail table with timings on stdout. Exit
 //! status 1 if any check fails or no device is usable.
 
 use std::sync::Arc;
@@ -84,6 +84,25 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
             t.elapsed().as_secs_f64() * 1e3,
             gr.gap,
             check_forward::NEAR_TIE
+        );
+        // A batch past the GEMV's 8 rows (at most the 16 the backend keeps row-invariant) with
+        // row-invariant numerics, against one-token forwards: bit for bit.
+        let n = prompt.len().clamp(12, 16);
+        let p: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 5) % vocab).collect();
+        let t = Instant::now();
+        let ri = check_forward::row_invariance(Arc::clone(&l), &path, &p, None)?;
+        let pass = ri.differ_on == 0;
+        failed += !pass as usize;
+        total += 1;
+        println!(
+            "{:<6} {:<18} {:<60} {:>10} {:>8} {:>8.1}ms  ({} of them without it)",
+            if pass { "PASS" } else { "FAIL" },
+            "row invariance",
+            format!("{}: {n} rows in one batch vs one at a time", path.display()),
+            format!("{}/{n}", ri.differ_on),
+            "differ",
+            t.elapsed().as_secs_f64() * 1e3,
+            ri.differ_off
         );
     }
     launch_overhead(&*l)?;

@@ -228,6 +228,9 @@ impl Backend for DeviceBackend {
 
     fn set_row_invariant(&self, on: bool) {
         self.cpu.set_row_invariant(on);
+        if let Some(c) = &self.cuda {
+            c.set_row_invariant(on);
+        }
     }
 
     fn load_weight(&self, src: &WeightSource<'_>) -> Result<DevWeight> {

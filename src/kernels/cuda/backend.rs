@@ -9,7 +9,7 @@
 //! the op (a launch fails only for a lost device or a bug). The steps of several kernels
 //! (matmuls, the fused sublayer paths) are in `sublayers.rs`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Result};
@@ -86,6 +86,10 @@ pub struct CudaBackend {
     /// The q8_1 blocks a fused kernel (norm, GLU) wrote of its output, for the matmul that reads
     /// that output next (it then skips its own quantize launch).
     pub(super) q8_ready: Mutex<Option<Q8Ready>>,
+    /// `Backend::set_row_invariant`: while set, every row of a batch of up to 16 rows takes the
+    /// kernels a lone row takes (GEMVs in tiles of 8 rows, split-KV attention), whose sums for a
+    /// row do not depend on the others (`sublayers::INVARIANT_ROWS`).
+    pub(super) row_invariant: AtomicBool,
 }
 
 /// Index tables kept by [`CudaBackend::ints`]; an op uses at most 3, so none it asked for is
@@ -125,6 +129,7 @@ impl CudaBackend {
             tables: Mutex::new(Vec::with_capacity(TABLES)),
             epoch: AtomicU64::new(0),
             q8_ready: Mutex::new(None),
+            row_invariant: AtomicBool::new(false),
         }
     }
 
@@ -200,6 +205,10 @@ impl Backend for CudaBackend {
 
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn set_row_invariant(&self, on: bool) {
+        self.row_invariant.store(on, Ordering::Relaxed);
     }
 
     fn load_weight(&self, src: &WeightSource<'_>) -> Result<CudaWeight> {

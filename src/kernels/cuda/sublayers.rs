@@ -39,6 +39,13 @@ fn fused_norm() -> bool {
 /// that kernel takes the rows in parallel).
 const FUSED_NORM_ROWS: usize = 1;
 
+/// Most rows a row-invariant call takes on the GEMV's per-row sums (two passes over the weights
+/// of 8 rows each, where the tensor-core GEMM reads them once): enough for speculative
+/// verification of a lone request (`--draft-max` 8 makes 9 rows) and for a scheduler step of up to
+/// 16 sequences to give each its lone output. Larger batches take the GEMM and tiled attention
+/// for throughput, and a row's sums there depend on the batch (as in vLLM and llama.cpp's server).
+const INVARIANT_ROWS: usize = 16;
+
 /// q8_1 blocks of an activation, valid while [`CudaBackend::epoch`] equals `epoch`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) struct Q8Ready {
@@ -69,6 +76,12 @@ impl CudaBackend {
             .take()?;
         let now = self.epoch.load(Ordering::Relaxed);
         (r.act == x.buf.ptr && r.values == x.rows * x.cols && r.epoch == now).then_some(r.q8)
+    }
+
+    /// Whether a call over `rows` rows keeps row-invariant numerics: while
+    /// `Backend::set_row_invariant` is on, up to [`INVARIANT_ROWS`] rows.
+    pub(super) fn invariant(&self, rows: usize) -> bool {
+        self.row_invariant.load(Ordering::Relaxed) && rows <= INVARIANT_ROWS
     }
 
     /// q8_1 scratch for `values` activations (a multiple of 32), or None if they cannot be.
@@ -215,8 +228,11 @@ impl CudaBackend {
                 );
             }
         }
-        // Prefill: tensor-core tiles read the weights n/64 times instead of n/8.
-        let tiled = |w: &CudaWeight| n > ops::GEMV_TOKENS && ops::gemm_kernel(w.ty).is_some();
+        // Prefill: tensor-core tiles read the weights n/64 times instead of n/8 (not with
+        // row-invariant numerics: a GEMV row's sums do not depend on the other rows).
+        let tiled = |w: &CudaWeight| {
+            n > ops::GEMV_TOKENS && ops::gemm_kernel(w.ty).is_some() && !self.invariant(n)
+        };
         let mut done = vec![false; jobs.len()];
         for i in 0..jobs.len() {
             if done[i] {
@@ -348,9 +364,12 @@ impl CudaBackend {
         }
         let (tables, meta) = (self.ints(&tables)?, self.ints(&meta)?);
         // Rows of one sequence (a prefill chunk, a speculative verify) share K/V loads in the
-        // tiled kernel; lone rows (decode, batched decode) use split-KV flash decoding.
+        // tiled kernel; lone rows (decode, batched decode) use split-KV flash decoding, and so
+        // does every row with row-invariant numerics: a split covers the same ATTN_SPLIT keys of
+        // a row however many splits the batch's longest row needs, and the merge skips empty
+        // splits and scales a lone one by e^0 = 1, so a row's result is its one-row result.
         let tiles = ops::prefill_tiles(queries.len(), |i, j| queries[i].seq == queries[j].seq);
-        let tiled = tiles.len() / 2 < queries.len();
+        let tiled = tiles.len() / 2 < queries.len() && !self.invariant(queries.len());
         let n_split = longest.div_ceil(ops::ATTN_SPLIT);
         let part_bytes = ops::attn_part_bytes(queries.len(), shape.n_head, shape.head_dim, n_split);
         let a = AttnArgs {
