@@ -164,6 +164,9 @@ pub fn run<B: Backend>(
                     return;
                 }
             }
+            // The step's outcome (finished sequences gone, their blocks back) is in the metrics
+            // before any of its events reaches a client.
+            update(handle, &sched, runner);
             for (id, e) in events.drain(..) {
                 let last = matches!(e, Event::Done(_) | Event::Error(_));
                 let gone = match senders.get(&id) {
