@@ -2,7 +2,8 @@
 // (positions lo..=pos) are cut into splits of ATTN_SPLIT keys; `attn_split` computes, for one
 // (query, KV head, split), the unnormalised softmax-weighted sum of V for every query head that
 // shares the KV head (GQA: K and V are read once per group, not once per head), with the split's
-// max score m and sum of exp l; `attn_merge` combines a query head's splits. A batch of prefill
+// max score m and sum of exp l; `attn_merge` combines a query head's splits (or, given arrival
+// counters, the block that finishes a (query, KV head)'s last split does). A batch of prefill
 // rows is the same call with one query per row (each row has its own pos), so causal masking is
 // just the key range. Layouts: q rows of n_head * head_dim; cache slot s of a layer holds kv_dim
 // values at s * kv_dim, head h at h * head_dim; slot = table[key / bs] * bs + key % bs; meta[i] =
@@ -56,18 +57,72 @@ __device__ __forceinline__ void split_store_stats(int G, int qi, int kvh, int n_
   }
 }
 
+/// One query head's merge of its splits' records (what `attn_merge`'s block (qi, h) computes), by
+/// a block of 128 threads: out[qi][h] = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k, and its
+/// q8_1 blocks to `q8` when given. `P` reads the records (volatile when other blocks of the
+/// caller's launch just wrote them).
+template <typename P>
+__device__ __forceinline__ void merge_head(int qi, int h, P part, float* __restrict__ out,
+                                           int n_head, int hd, int n_split,
+                                           uint8_t* __restrict__ q8) {
+  const P rec = part + ((size_t)qi * n_head + h) * n_split * (hd + 2);
+  float M = NEG_INF;
+  for (int k = 0; k < n_split; k++) M = fmaxf(M, rec[k * (hd + 2) + hd]);
+  float L = 0.0f;
+  for (int k = 0; k < n_split; k++) {
+    const float m = rec[k * (hd + 2) + hd];
+    if (m != NEG_INF) L += expf(m - M) * rec[k * (hd + 2) + hd + 1];
+  }
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float acc = 0.0f;
+    for (int k = 0; k < n_split; k++) {
+      const float m = rec[k * (hd + 2) + hd];
+      if (m != NEG_INF) acc += expf(m - M) * rec[k * (hd + 2) + d];
+    }
+    const size_t o = ((size_t)qi * n_head + h) * hd + d;
+    out[o] = L > 0.0f ? acc / L : 0.0f;
+    if (q8) q8_1_warp(out[o], q8 + o / 32 * Q8_1_BYTES);
+  }
+}
+
+/// The merge of a (query, KV head)'s splits by the block that finishes the last of them, when
+/// `done` is given (counters, n_q × n_head_kv, zero between launches) and there are several:
+/// each split's block counts its arrival after a fence and the block's barrier; the last merges
+/// the group's G query heads (`merge_head`, reading the others' records through volatile loads)
+/// and sets the counter back to zero. `last` is a shared int. Every thread of the block calls it.
+/// Out of line: inlined, it raised attn_split's registers from 80 to 131 (sm_90), for a path
+/// that one block in n_split takes.
+__device__ NOINLINE void merge_if_last(int qi, int kvh, int G, int n_head_kv,
+                                              const float* part, float* out, int n_head, int hd,
+                                              int n_split, uint8_t* q8, int* done, int* last) {
+  if (!done || n_split == 1) return;
+  int* count = done + (size_t)qi * n_head_kv + kvh;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *last = atomicAdd(count, 1) == n_split - 1;
+  __syncthreads();
+  if (!*last) return;
+  __threadfence();
+  const volatile float* p = part;
+  for (int g = 0; g < G; g++)
+    merge_head<const volatile float*>(qi, kvh * G + g, p, out, n_head, hd, n_split, q8);
+  if (threadIdx.x == 0) *count = 0;
+}
+
 /// grid (n_q, n_head_kv, n_split), block (128). With one split the normalised result goes
 /// straight to `out` (no merge launch), and its q8_1 blocks to `q8` when given (head_dim a
-/// multiple of 32: a warp's 32 consecutive values of a head are one block).
+/// multiple of 32: a warp's 32 consecutive values of a head are one block). With several and
+/// `done` given, the last split's block merges them (`merge_if_last`; no merge launch either).
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     attn_split(const float* __restrict__ q, const __half* __restrict__ kc,
                const __half* __restrict__ vc, const int* __restrict__ tables,
                const int* __restrict__ meta, float* __restrict__ part, int n_head, int n_head_kv,
                int head_dim, int block_size, int kv_dim, float scale, int n_split,
-               float* __restrict__ out, uint8_t* __restrict__ q8) {
+               float* __restrict__ out, uint8_t* __restrict__ q8, int* done) {
   PDL_ENTRY();
   __shared__ float qs[ATTN_MAX_G * ATTN_MAX_HD];
   __shared__ float sc[ATTN_MAX_G * ATTN_SPLIT];
+  __shared__ int last;
   __shared__ int slot[ATTN_SPLIT];
   __shared__ float ml[ATTN_MAX_G * 2];
   const int qi = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
@@ -141,34 +196,16 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     split_store_values(acc, d, G, qi, kvh, n_head, hd, split, n_split, n, ml, out, part, q8);
   }
   split_store_stats(G, qi, kvh, n_head, hd, split, n_split, n, ml, part);
+  merge_if_last(qi, kvh, G, n_head_kv, part, out, n_head, hd, n_split, q8, done, &last);
 }
 EMU_EXPORT(attn_split)
 
-/// out[qi][h] = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k, and its q8_1 blocks to `q8`
-/// when given (as attn_split's). grid (n_q, n_head), block (128).
+/// The merge of each query head's splits (`merge_head`): grid (n_q, n_head), block (128).
 extern "C" __global__ void __launch_bounds__(128)
     attn_merge(const float* __restrict__ part, float* __restrict__ out, int n_head, int head_dim,
                int n_split, uint8_t* __restrict__ q8) {
   PDL_ENTRY();
-  const int qi = blockIdx.x, h = blockIdx.y, hd = head_dim;
-  const float* rec = part + ((size_t)qi * n_head + h) * n_split * (hd + 2);
-  float M = NEG_INF;
-  for (int k = 0; k < n_split; k++) M = fmaxf(M, rec[k * (hd + 2) + hd]);
-  float L = 0.0f;
-  for (int k = 0; k < n_split; k++) {
-    const float m = rec[k * (hd + 2) + hd];
-    if (m != NEG_INF) L += expf(m - M) * rec[k * (hd + 2) + hd + 1];
-  }
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float acc = 0.0f;
-    for (int k = 0; k < n_split; k++) {
-      const float m = rec[k * (hd + 2) + hd];
-      if (m != NEG_INF) acc += expf(m - M) * rec[k * (hd + 2) + d];
-    }
-    const size_t o = ((size_t)qi * n_head + h) * hd + d;
-    out[o] = L > 0.0f ? acc / L : 0.0f;
-    if (q8) q8_1_warp(out[o], q8 + o / 32 * Q8_1_BYTES);
-  }
+  merge_head<const float*>(blockIdx.x, blockIdx.y, part, out, n_head, head_dim, n_split, q8);
 }
 EMU_EXPORT(attn_merge)
 
@@ -186,8 +223,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                  const uint8_t* __restrict__ vc, const int* __restrict__ tables,
                  const int* __restrict__ meta, float* __restrict__ part, int n_head, int n_head_kv,
                  int head_dim, int block_size, int kv_dim, float scale, int n_split,
-                 float* __restrict__ out, uint8_t* __restrict__ q8, int k_type, int v_type) {
+                 float* __restrict__ out, uint8_t* __restrict__ q8, int* done, int k_type,
+                 int v_type) {
   PDL_ENTRY();
+  __shared__ int last;
   __shared__ float qs[ATTN_MAX_G * ATTN_MAX_HD];           // f16 K: the group's query heads
   __shared__ int qq[ATTN_MAX_G * ATTN_MAX_HD / 4];         // quantized K: their q8_0 bytes
   __shared__ float qd[ATTN_MAX_G * ATTN_MAX_HD / 32];      // and block scales
@@ -324,6 +363,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     split_store_values(acc, d, G, qi, kvh, n_head, hd, split, n_split, n, ml, out, part, q8);
   }
   split_store_stats(G, qi, kvh, n_head, hd, split, n_split, n, ml, part);
+  merge_if_last(qi, kvh, G, n_head_kv, part, out, n_head, hd, n_split, q8, done, &last);
 }
 EMU_EXPORT(attn_split_q)
 

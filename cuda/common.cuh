@@ -22,6 +22,14 @@ typedef unsigned long long uint64_t;
 #define EMU_EXPORT(name)
 #endif
 
+// A device function kept out of line: its registers are not added to its caller's (a kernel's
+// rarely taken epilogue), at the cost of a call. Inline in the emulator.
+#ifdef INFER_CUDA_EMU
+#define NOINLINE inline
+#else
+#define NOINLINE __noinline__
+#endif
+
 // Programmatic dependent launch (sm_90+; src/kernels/cuda/graphs.rs, INFER_CUDA_PDL=1): the next
 // kernel of a decode step may start while this one finishes. Every kernel opens with PDL_ENTRY():
 // it waits until the kernel before it has completed and its writes are visible, then lets the next

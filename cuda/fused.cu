@@ -94,30 +94,29 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 EMU_EXPORT(add_rms_norm_q8)
 
-/// The attention sublayer between the Q/K/V products and attention, for `rows` rows: grid (rows,
-/// n_head + n_head_kv), block (128); block (r, h) takes query head h (h < n_head) or KV head
-/// h - n_head. A head is first RMS-normed when its norm weights (qn, kn: head_dim) are given, then
+/// One head of one row of the attention sublayer between the Q/K/V products and attention, by a
+/// block of 128 threads: query head h (h < n_head) or KV head h - n_head of row r. A head is first RMS-normed when its norm weights (qn, kn: head_dim) are given, then
 /// rotated as the `rope` kernel rotates it (theta_i = pos * theta_scale^i by repeated
 /// multiplication, divided by ff[i] when given); a query head is then multiplied by q_scale and
 /// written back to q, a KV head is written to kc at cache slot slots[r], and the matching head of
 /// v to vc (k itself is not written), each in its cache type (k_type, v_type: CACHE_*; as f16, or
 /// rotated and rounded to ggml blocks by cache_store_warp, head_dim then a multiple of 32).
 /// head_dim is even and at most 256.
-extern "C" __global__ void __launch_bounds__(128)
-    rope_kv(float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-            uint8_t* __restrict__ kc, uint8_t* __restrict__ vc, const int* __restrict__ slots,
-            const int* __restrict__ pos, const float* __restrict__ ff,
-            const float* __restrict__ qn, const float* __restrict__ kn, int n_head, int n_head_kv,
-            int head_dim, float theta_scale, int neox, float q_scale, float eps, int k_type,
-            int v_type) {
-  PDL_ENTRY();
-  __shared__ float scratch[32];
-  __shared__ float kvh_buf[2][256];  // a quantized cache's K and V head, before its blocks
-  const int r = blockIdx.x, h = blockIdx.y, half = head_dim / 2;
+/// q, k and v are read through `P` (a volatile pointer when other blocks of the caller's launch
+/// just wrote them); q is written back through `q_out` (the same rows). scratch (32 floats) and
+/// kvh (2 × 256) are the block's shared memory. Every thread of the block calls it.
+template <typename P>
+__device__ __forceinline__ void rope_kv_head(
+    int r, int h, P q_in, float* q, P k, P v, uint8_t* __restrict__ kc, uint8_t* __restrict__ vc,
+    const int* __restrict__ slots, const int* __restrict__ pos, const float* __restrict__ ff,
+    const float* __restrict__ qn, const float* __restrict__ kn, int n_head, int n_head_kv,
+    int head_dim, float theta_scale, int neox, float q_scale, float eps, int k_type, int v_type,
+    float* scratch, float (*kvh_buf)[256]) {
+  const int half = head_dim / 2;
   const bool is_q = h < n_head;
   const int kvh = h - n_head, kv_dim = n_head_kv * head_dim;
-  const float* src = is_q ? q + ((size_t)r * n_head + h) * head_dim
-                          : k + (size_t)r * kv_dim + (size_t)kvh * head_dim;
+  const P src = is_q ? q_in + ((size_t)r * n_head + h) * head_dim
+                    : k + (size_t)r * kv_dim + (size_t)kvh * head_dim;
   const float* nw = is_q ? qn : kn;
   // Each thread holds up to two pairs (head_dim <= 256 with 128 threads).
   float x0[2] = {0.0f, 0.0f}, x1[2] = {0.0f, 0.0f};
@@ -159,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(128)
       d[b] = y1 * q_scale;
     } else if (k_type == CACHE_F16 && v_type == CACHE_F16) {
       const size_t base = (size_t)slots[r] * kv_dim + (size_t)kvh * head_dim;
-      const float* vr = v + (size_t)r * kv_dim + (size_t)kvh * head_dim;
+      const P vr = v + (size_t)r * kv_dim + (size_t)kvh * head_dim;
       __half* kh = reinterpret_cast<__half*>(kc);
       __half* vh = reinterpret_cast<__half*>(vc);
       kh[base + a] = __float2half_rn(y0);
@@ -167,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(128)
       vh[base + a] = __float2half_rn(vr[a]);
       vh[base + b] = __float2half_rn(vr[b]);
     } else {
-      const float* vr = v + (size_t)r * kv_dim + (size_t)kvh * head_dim;
+      const P vr = v + (size_t)r * kv_dim + (size_t)kvh * head_dim;
       kvh_buf[0][a] = y0;
       kvh_buf[0][b] = y1;
       kvh_buf[1][a] = vr[a];
@@ -184,6 +183,23 @@ extern "C" __global__ void __launch_bounds__(128)
                    (size_t)cache_bytes(type, kvh * head_dim);
     cache_store_warp(kvh_buf[side][blk * 32 + lane], type, row, blk);
   }
+}
+
+/// The attention sublayer between the Q/K/V products and attention, for `rows` rows: grid (rows,
+/// n_head + n_head_kv), block (128); block (r, h) runs `rope_kv_head` for row r, head h.
+extern "C" __global__ void __launch_bounds__(128)
+    rope_kv(float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+            uint8_t* __restrict__ kc, uint8_t* __restrict__ vc, const int* __restrict__ slots,
+            const int* __restrict__ pos, const float* __restrict__ ff,
+            const float* __restrict__ qn, const float* __restrict__ kn, int n_head, int n_head_kv,
+            int head_dim, float theta_scale, int neox, float q_scale, float eps, int k_type,
+            int v_type) {
+  PDL_ENTRY();
+  __shared__ float scratch[32];
+  __shared__ float kvh_buf[2][256];  // a quantized cache's K and V head, before its blocks
+  rope_kv_head<const float*>(blockIdx.x, blockIdx.y, q, q, k, v, kc, vc, slots, pos, ff, qn, kn,
+                             n_head, n_head_kv, head_dim, theta_scale, neox, q_scale, eps, k_type,
+                             v_type, scratch, kvh_buf);
 }
 EMU_EXPORT(rope_kv)
 
@@ -286,3 +302,63 @@ GEMV_NORM(gemv_q<Q5_0>, gemv_norm_q5_0)
 GEMV_NORM(gemv_q<Q8_0>, gemv_norm_q8_0)
 GEMV_NORM(gemv_q4k, gemv_norm_q4_k)
 GEMV_NORM(gemv_q6k, gemv_norm_q6_k)
+
+/// A decode step's Q/K/V products (with their biases) and `rope_kv` in one launch (what the
+/// products' GEMVs then `rope_kv` compute, bit for bit): blocks as the products' (4 rows of one
+/// matrix each, Q's then K's then V's, each by the GEMV of its type), each counting its arrival
+/// on its head's counter in `done` ((n_head + n_head_kv) a token tile, zero between launches; a
+/// KV head's counter takes its K and its V blocks) after a fence and the block's barrier; the
+/// last block of a head runs `rope_kv_head` for it on each of the tile's tokens and sets the
+/// counter back to zero. head_dim % 4 == 0 (a block's rows are one head's), so no warp leaves
+/// early. grid ((n_head + 2 n_head_kv) · head_dim / 4, ceil(tokens / 8)), block (128).
+#define GEMV_QKV(FQ, FK, FV, name)                                                                 \
+  extern "C" __global__ void __launch_bounds__(128)                                                \
+      name(const uint8_t* xq, int cols, int nt, const uint8_t* wq, const float* bq,                \
+           const uint8_t* wk, const float* bk, const uint8_t* wv, const float* bv, float* q,       \
+           float* k, float* v, int* done, uint8_t* kc, uint8_t* vc, const int* slots,              \
+           const int* pos, const float* ff, const float* qn, const float* kn, int n_head,          \
+           int n_head_kv, int head_dim, float theta_scale, int neox, float q_scale, float eps,     \
+           int k_type, int v_type) {                                                               \
+    PDL_ENTRY();                                                                                   \
+    __shared__ int last;                                                                           \
+    __shared__ float scratch[32];                                                                  \
+    __shared__ float kvh_buf[2][256];                                                              \
+    const int hb = head_dim / GEMV_ROWS, nq = n_head * hb, nk = n_head_kv * hb;                    \
+    const int rb = blockIdx.x, kv_dim = n_head_kv * head_dim;                                      \
+    int head;                                                                                      \
+    if (rb < nq) {                                                                                 \
+      FQ(wq, xq, q, n_head * head_dim, cols, nt, bq, rb);                                          \
+      head = rb / hb;                                                                              \
+    } else if (rb < nq + nk) {                                                                     \
+      FK(wk, xq, k, kv_dim, cols, nt, bk, rb - nq);                                                \
+      head = n_head + (rb - nq) / hb;                                                              \
+    } else {                                                                                       \
+      FV(wv, xq, v, kv_dim, cols, nt, bv, rb - nq - nk);                                           \
+      head = n_head + (rb - nq - nk) / hb;                                                         \
+    }                                                                                              \
+    __threadfence();                                                                               \
+    __syncthreads();                                                                               \
+    int* count = done + (size_t)blockIdx.y * (n_head + n_head_kv) + head;                          \
+    const int need = head < n_head ? hb : 2 * hb;                                                  \
+    if (threadIdx.x == 0) last = atomicAdd(count, 1) == need - 1;                                  \
+    __syncthreads();                                                                               \
+    if (!last) return;                                                                             \
+    __threadfence();                                                                               \
+    const int t0 = blockIdx.y * GEMV_TOKENS, ntt = min(GEMV_TOKENS, nt - t0);                      \
+    const volatile float *qv = q, *kv = k, *vv = v;                                                \
+    for (int t = t0; t < t0 + ntt; t++) {                                                          \
+      rope_kv_head<const volatile float*>(t, head, qv, q, kv, vv, kc, vc, slots, pos, ff, qn, kn,  \
+                                          n_head, n_head_kv, head_dim, theta_scale, neox,          \
+                                          q_scale, eps, k_type, v_type, scratch, kvh_buf);         \
+      __syncthreads(); /* shared memory is reused by the next token */                             \
+    }                                                                                              \
+    if (threadIdx.x == 0) *count = 0;                                                              \
+  }                                                                                                \
+  EMU_EXPORT(name)
+GEMV_QKV(gemv_q<Q4_0>, gemv_q<Q4_0>, gemv_q<Q4_0>, gemv_qkv_q4_0)
+GEMV_QKV(gemv_q<Q5_0>, gemv_q<Q5_0>, gemv_q<Q5_0>, gemv_qkv_q5_0)
+GEMV_QKV(gemv_q<Q8_0>, gemv_q<Q8_0>, gemv_q<Q8_0>, gemv_qkv_q8_0)
+GEMV_QKV(gemv_q4k, gemv_q4k, gemv_q4k, gemv_qkv_q4_k)
+GEMV_QKV(gemv_q6k, gemv_q6k, gemv_q6k, gemv_qkv_q6_k)
+// Q4_K_M files: Q and K in Q4_K, V in Q6_K in some layers.
+GEMV_QKV(gemv_q4k, gemv_q4k, gemv_q6k, gemv_qkv_q4_k_v_q6_k)

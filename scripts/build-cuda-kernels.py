@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compiles cuda/kernels.cu ahead of time with NVRTC, for every architecture infer ships.
 
-Writes cuda/build/kernels.sm_XX.ptx and .cubin (embedded in the binary by
+Writes cuda/build/kernels.sm_XX.cubin, the newest architecture's .ptx (embedded in the binary by
 src/kernels/cuda/module.rs) and cuda/build/ptxas.txt (ptxas -v: registers, spills, shared memory
 per kernel). NVRTC comes from the PyPI wheels (no CUDA toolkit or GPU needed):
 
@@ -109,7 +109,10 @@ def main():
     outputs, report = {}, []
     for arch in ARCHS:
         ptx, cubin, log = compile_arch(nv, src, arch, include)
-        outputs[f"kernels.{arch}.ptx"] = ptx
+        # PTX only for the newest architecture: an older GPU always finds a cubin of its own
+        # major version, and a newer one JIT-compiles the newest PTX (module.rs's `select`).
+        if arch == ARCHS[-1]:
+            outputs[f"kernels.{arch}.ptx"] = ptx
         outputs[f"kernels.{arch}.cubin"] = cubin
         report += summarize(arch, log)
     outputs["ptxas.txt"] = ("\n".join(report) + "\n").encode()

@@ -2,7 +2,7 @@
 # The GPU check, in two halves.
 #
 #   scripts/gpu-check.sh --prepare     # here: build, strip the binary and write the real models'
-#                                      # skeletons into gpu-carry/ (git-ignored, ~25 MiB)
+#                                      # skeletons into gpu-carry/ (git-ignored, gzipped: ~13 MiB)
 #   scripts/gpu-check.sh               # on the lent GPU machine, with gpu-carry/ carried along:
 #                                      # everything it measures goes under $OUT
 #
@@ -14,8 +14,8 @@
 # `infer bench --profile` (every kernel of 16 decode steps at 512 positions timed alone: time
 # and bandwidth), the selftest and benches again with programmatic dependent launch on
 # (INFER_CUDA_PDL=1: A/B in the same run), Qwen's bench with the FFN's gate/up/GLU launch split
-# in two again (INFER_CUDA_FUSED_FFN=0), and with the output products and residual joins split
-# again (INFER_CUDA_FUSED_NORM=0), and last, Qwen's decode at depth 4,096 with the KV
+# in two again (INFER_CUDA_FUSED_FFN=0), with the output products and residual joins split again
+# (INFER_CUDA_FUSED_NORM=0), with Q/K/V and RoPE split again (INFER_CUDA_FUSED_QKV=0), and last, Qwen's decode at depth 4,096 with the KV
 # cache in f16, q8_0 and q4_0 (`--kv-types`, timed in the same run). figures.txt gathers the
 # headline numbers.
 # Each step has its own time limit and nothing runs past BUDGET (470 s), so the whole run stays
@@ -31,21 +31,35 @@ CARRY=gpu-carry
 if [ "${1:-}" = "--prepare" ]; then
     set -e
     cargo build --release --locked
+    rm -rf "$CARRY"
     mkdir -p "$CARRY"
+    # Compressed: the binary embeds every architecture's kernels (PTX is text), and what travels
+    # (the working tree and the carried folder together) must stay under 64 MiB.
     strip -o "$CARRY/infer" target/release/infer
     target/release/infer synth --skeleton-of models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf -o "$CARRY/qwen.skel.gguf"
     target/release/infer synth --skeleton-of models/gemma-3-270m-q4_k_m.gguf -o "$CARRY/gemma.skel.gguf"
-    du -sh "$CARRY"
+    gzip -9 "$CARRY/infer" "$CARRY/qwen.skel.gguf" "$CARRY/gemma.skel.gguf"
+    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -n 1 | cut -f1)
+    carry=$(du -sb "$CARRY" | cut -f1)
+    echo "gpu-check: $((tree / 1048576)) MiB of working tree + $((carry / 1048576)) MiB in $CARRY travel (64 MiB at most)"
+    if [ $((tree + carry)) -gt $((64 * 1048576)) ]; then
+        echo "gpu-check: that is over the device machine's 64 MiB" >&2
+        exit 1
+    fi
     exit 0
 fi
 
 OUT="${OUT:?set OUT to the folder that receives the results}"
 DEVICE="${DEVICE:-cuda}"
 QUICK="${QUICK:-0}"
-BIN="$CARRY/infer"
 WORK="${TMPDIR:-/tmp}/infer-gpu-check"
+BIN="$WORK/infer"
 mkdir -p "$OUT" "$WORK"
-[ -x "$BIN" ] || { echo "gpu-check: $BIN is missing: run scripts/gpu-check.sh --prepare and carry $CARRY" >&2; exit 1; }
+[ -f "$CARRY/infer.gz" ] || { echo "gpu-check: $CARRY/infer.gz is missing: run scripts/gpu-check.sh --prepare and carry $CARRY" >&2; exit 1; }
+for f in infer qwen.skel.gguf gemma.skel.gguf; do
+    gzip -dc "$CARRY/$f.gz" > "$WORK/$f" || { echo "gpu-check: cannot unpack $CARRY/$f.gz" >&2; exit 1; }
+done
+chmod +x "$BIN"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 
@@ -76,7 +90,7 @@ else
 fi
 
 for m in qwen gemma; do
-    step "synth-$m" 60 "$BIN" synth --from "$CARRY/$m.skel.gguf" -o "$WORK/$m.gguf"
+    step "synth-$m" 60 "$BIN" synth --from "$WORK/$m.skel.gguf" -o "$WORK/$m.gguf"
 done
 
 if [ "$DEVICE" = cuda ]; then
@@ -107,6 +121,10 @@ step bench-qwen-unfused 60 env INFER_CUDA_FUSED_FFN=0 "$BIN" bench --device "$DE
 # The output products and the residual joins after them as two launches each again
 # (INFER_CUDA_FUSED_NORM=0): what fusing them gave.
 step bench-qwen-unfused-norm 60 env INFER_CUDA_FUSED_NORM=0 "$BIN" bench --device "$DEVICE" \
+    -m "$WORK/qwen.gguf" -p "$PP" -n "$TG" -r "$REPS" --json
+# The Q/K/V products and RoPE with the KV write as separate launches again
+# (INFER_CUDA_FUSED_QKV=0): what fusing them gave.
+step bench-qwen-unfused-qkv 60 env INFER_CUDA_FUSED_QKV=0 "$BIN" bench --device "$DEVICE" \
     -m "$WORK/qwen.gguf" -p "$PP" -n "$TG" -r "$REPS" --json
 step batched-qwen-pdl 60 env INFER_CUDA_PDL=1 "$BIN" bench --device "$DEVICE" -m "$WORK/qwen.gguf" \
     --concurrency "$LEVELS" -p "$CPROMPT" -n "$CGEN" -r 1 --shared-prefix 0 --json

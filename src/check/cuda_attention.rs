@@ -175,6 +175,7 @@ pub(super) fn case(
             v_type: types.1,
             scale,
             n_split,
+            done: 0,
         };
         let tiles = ops::prefill_tiles(n_q, |i, j| queries[i].2 == queries[j].2);
         let tiles_d = DevBuf::from_i32(l, &tiles)?;
@@ -269,6 +270,38 @@ pub(super) fn case(
                 (k, s)
             }
         };
+        if !tiled && n_split > 1 {
+            // The merge in the last split's block, against attn_merge's launch: the output and its
+            // q8_1 blocks bit for bit (launched twice: a counter left set would show).
+            let want = (od.to_bytes()?, q8.to_bytes()?);
+            let done = DevBuf::new(l, ops::attn_done_bytes(n_q, nkv))?;
+            for round in 1..=2 {
+                let (o2, q2) = (
+                    DevBuf::new(l, n_q * nh * hd * 4)?,
+                    DevBuf::new(l, q8.bytes)?,
+                );
+                let b = AttnArgs {
+                    out: o2.ptr,
+                    q8: if with_q8 { q2.ptr } else { 0 },
+                    done: done.ptr,
+                    ..a
+                };
+                ops::attention(&**l, &b)?;
+                let (g, gq) = (o2.to_bytes()?, q2.to_bytes()?);
+                let differ = g.iter().zip(&want.0).filter(|(x, y)| x != y).count()
+                    + match with_q8 {
+                        true => gq.iter().zip(&want.1).filter(|(x, y)| x != y).count(),
+                        false => 0,
+                    };
+                out.push(Check {
+                    kernel: if quant { "attn_split_q" } else { "attn_split" }.into(),
+                    shape: format!("{n_q} queries, {nh}/{nkv}x{hd}, {n_split} splits{cache}: merged in the last split's block #{round} (bytes differing from attn_merge)"),
+                    err: differ as f64,
+                    tol: 0.0,
+                    secs: 0.0,
+                });
+            }
+        }
         if with_q8 {
             let mut want = vec![0u8; got.len() / 32 * ops::Q8_1_BYTES];
             crate::quant::quantize::quantize_row_q8_1(&got, &mut want);

@@ -1,5 +1,5 @@
 //! The fused kernels' check (part of [`super::cuda_kernels::run_all`]): `add_rms_norm_q8`,
-//! `rope_kv`, `glu_q8`, `gemv_glu_*` and `gemv_norm_*` (cuda/fused.cu) against the CPU backend's scalar ops
+//! `rope_kv`, `glu_q8`, `gemv_glu_*`, `gemv_norm_*` and `gemv_qkv_*` (cuda/fused.cu) against the CPU backend's scalar ops
 //! composed as the unfused path composes them (`kernels::cpu::ops`: RMS norm, RoPE caches and
 //! rotation, the gated activations) and the crate's q8_1 quantizer, at ragged shapes: rows of 100
 //! (no q8_1), 640
@@ -7,8 +7,9 @@
 //! sublayer output; GQA and MQA head layouts with both RoPE pairings, frequency factors, per-head
 //! q/k norms, q scaling and scattered KV slots. The q8_1 blocks are held bit for bit to the
 //! reference quantizer applied to the kernel's own f32 output. The fused gate/up GEMV + GLU
-//! (`gemv_glu_*`) and the fused output product + residual join (`gemv_norm_*`) are held bit for
-//! bit to the unfused launches they replace.
+//! (`gemv_glu_*`), the fused output product + residual join (`gemv_norm_*`) and the fused Q/K/V
+//! products + RoPE and KV write (`gemv_qkv_*`) are held bit for bit to the unfused launches they
+//! replace.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -29,6 +30,210 @@ pub fn fused(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
     glu(l, out)?;
     gemv_glu(l, out)?;
     gemv_norm(l, out)?;
+    gemv_qkv(l, out)?;
+    Ok(())
+}
+
+/// `gemv_qkv_<types>` against the Q, K and V GEMVs (one launch each) followed by `rope_kv`: q (as
+/// rotated), k, v and both caches' bytes bit for bit (err = bytes that differ, tolerance 0): one
+/// type and Q4_K_M's mix (V in Q6_K), biases, per-head q/k norms, both pairings, frequency
+/// factors, a q scale, an f16 and a q8_0/q4_0 cache, 1, 3 and 9 tokens (two token tiles); each
+/// shape launched twice, so a counter left non-zero by the first launch would show in the second.
+fn gemv_qkv(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
+    use crate::format::GgmlType::{self, Q4K, Q4_0, Q5_0, Q6K, Q8_0};
+    use crate::model::backend::CacheType::{self, F16, Q4_0 as C4, Q8_0 as C8};
+    // (Q/K type, V type, cols, tokens, heads, KV heads, head_dim, pairing, biases + norms + ff,
+    // cache types)
+    type Case = (
+        GgmlType,
+        GgmlType,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        RopeStyle,
+        bool,
+        (CacheType, CacheType),
+    );
+    let cases: [Case; 5] = [
+        (
+            Q4K,
+            Q6K,
+            256,
+            1,
+            4,
+            2,
+            64,
+            RopeStyle::Neox,
+            true,
+            (F16, F16),
+        ),
+        (
+            Q4K,
+            Q4K,
+            512,
+            1,
+            2,
+            1,
+            128,
+            RopeStyle::Normal,
+            false,
+            (C8, C8),
+        ),
+        (
+            Q8_0,
+            Q8_0,
+            96,
+            3,
+            3,
+            1,
+            32,
+            RopeStyle::Neox,
+            true,
+            (C4, F16),
+        ),
+        (
+            Q4_0,
+            Q4_0,
+            64,
+            9,
+            2,
+            2,
+            16,
+            RopeStyle::Normal,
+            true,
+            (F16, F16),
+        ),
+        (
+            Q5_0,
+            Q5_0,
+            160,
+            1,
+            2,
+            1,
+            256,
+            RopeStyle::Neox,
+            false,
+            (F16, C8),
+        ),
+    ];
+    let (eps, base, slots_total) = (1e-6, 10000.0, 40);
+    for (i, (tqk, tv, cols, n, nh, nkv, hd, style, extras, types)) in cases.into_iter().enumerate()
+    {
+        let seed = 140 + 10 * i as u64;
+        let (qd, kvd) = (nh * hd, nkv * hd);
+        let dev = |v: &[f32]| DevBuf::from_f32(l, v);
+        let mat = |ty, rows, s| -> Result<DevBuf> {
+            DevBuf::from_bytes(l, &super::cuda_kernels::weights(ty, rows, cols, s)?.0)
+        };
+        let (wq, wk, wv) = (
+            mat(tqk, qd, seed)?,
+            mat(tqk, kvd, seed + 1)?,
+            mat(tv, kvd, seed + 2)?,
+        );
+        let (bq, bk, bv) = (
+            dev(&floats(qd, seed + 3))?,
+            dev(&floats(kvd, seed + 4))?,
+            dev(&floats(kvd, seed + 5))?,
+        );
+        let (qn, kn) = (dev(&floats(hd, seed + 6))?, dev(&floats(hd, seed + 7))?);
+        let ff: Vec<f32> = (0..hd / 2).map(|i| 1.0 + (i % 3) as f32).collect();
+        let ffb = dev(&ff)?;
+        let x = floats(n * cols, seed + 8);
+        let xd = dev(&x)?;
+        let xq = DevBuf::new(l, n * cols / 32 * ops::Q8_1_BYTES)?;
+        ops::quantize_q8_1(&**l, xd.ptr, xq.ptr, n * cols)?;
+        let pos: Vec<i32> = (0..n as i32).map(|t| 5 + 97 * t).collect();
+        let slots: Vec<i32> = (0..n as i32)
+            .map(|t| (33 + 3 * t) % slots_total as i32)
+            .collect();
+        let (sb, pb) = (DevBuf::from_i32(l, &slots)?, DevBuf::from_i32(l, &pos)?);
+        let r = RopeKv {
+            n_head: nh,
+            n_head_kv: nkv,
+            head_dim: hd,
+            base,
+            style,
+            ff: extras.then_some(ffb.ptr),
+            q_norm: extras.then_some(qn.ptr),
+            k_norm: extras.then_some(kn.ptr),
+            eps,
+            q_scale: if extras { 0.125 } else { 1.0 },
+        };
+        let bias = |b: &DevBuf| extras.then_some(b.ptr);
+        let cache = |t: CacheType| DevBuf::new(l, slots_total * t.row_bytes(kvd));
+        // The unfused path.
+        let (q0, k0, v0) = (
+            DevBuf::new(l, n * qd * 4)?,
+            DevBuf::new(l, n * kvd * 4)?,
+            DevBuf::new(l, n * kvd * 4)?,
+        );
+        let (kc0, vc0) = (cache(types.0)?, cache(types.1)?);
+        ops::gemv(&**l, tqk, wq.ptr, xq.ptr, q0.ptr, bias(&bq), (qd, cols, n))?;
+        ops::gemv(&**l, tqk, wk.ptr, xq.ptr, k0.ptr, bias(&bk), (kvd, cols, n))?;
+        ops::gemv(&**l, tv, wv.ptr, xq.ptr, v0.ptr, bias(&bv), (kvd, cols, n))?;
+        let tables = (sb.ptr, pb.ptr);
+        ops::rope_kv_typed(
+            &**l,
+            (q0.ptr, k0.ptr, v0.ptr),
+            (kc0.ptr, vc0.ptr),
+            types,
+            tables,
+            n,
+            &r,
+        )?;
+        let want = [
+            q0.to_bytes()?,
+            k0.to_bytes()?,
+            v0.to_bytes()?,
+            kc0.to_bytes()?,
+            vc0.to_bytes()?,
+        ];
+        let (q1, k1, v1) = (
+            DevBuf::new(l, n * qd * 4)?,
+            DevBuf::new(l, n * kvd * 4)?,
+            DevBuf::new(l, n * kvd * 4)?,
+        );
+        let (kc1, vc1) = (cache(types.0)?, cache(types.1)?);
+        let done = DevBuf::new(l, ops::gemv_qkv_done_bytes(nh + nkv, n))?;
+        let parts = (
+            (wq.ptr, tqk, bias(&bq), q1.ptr),
+            (wk.ptr, tqk, bias(&bk), k1.ptr),
+            (wv.ptr, tv, bias(&bv), v1.ptr),
+        );
+        let kernel = ops::gemv_qkv_kernel((tqk, tqk, tv)).expect("a case of a fused type");
+        for round in 1..=2 {
+            let secs = timed(l, || {
+                let caches = (kc1.ptr, vc1.ptr);
+                ops::gemv_qkv(
+                    &**l,
+                    xq.ptr,
+                    parts,
+                    (cols, n),
+                    caches,
+                    types,
+                    tables,
+                    &r,
+                    done.ptr,
+                )
+            })?;
+            let got = [
+                q1.to_bytes()?,
+                k1.to_bytes()?,
+                v1.to_bytes()?,
+                kc1.to_bytes()?,
+                vc1.to_bytes()?,
+            ];
+            let differ: usize = (got.iter().zip(&want))
+                .map(|(g, w)| g.iter().zip(w).filter(|(a, b)| a != b).count())
+                .sum();
+            let shape = format!(
+                "{qd}+{kvd}+{kvd}x{cols} {n} tok {style:?} {types:?} #{round} (bytes differing from gemv ×3 + rope_kv)"
+            );
+            push(out, kernel, shape, differ as f64, 0.0, secs);
+        }
+    }
     Ok(())
 }
 

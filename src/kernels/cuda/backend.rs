@@ -70,9 +70,10 @@ impl CudaKv {
 
 pub struct CudaBackend {
     pub(super) l: Arc<dyn Launch>,
-    /// Grow-only scratch: q8_1 activations, attention partials, sampled rows, the fused FFN's and
-    /// the fused norm's.
-    pub(super) scratch: Mutex<[Option<DevBuf>; 7]>,
+    /// Grow-only scratch: q8_1 activations, attention partials, sampled rows, the fused FFN's,
+    /// the fused norm's, the fused Q/K/V's and
+    /// attention's merge counters.
+    pub(super) scratch: Mutex<[Option<DevBuf>; 9]>,
     /// The sample table last uploaded to the `SAMPLE` scratch buffer (so an unchanged one is
     /// not uploaded again).
     sample_table: Mutex<Vec<u8>>,
@@ -107,6 +108,10 @@ pub(super) const GLU_DONE: usize = 4;
 /// The fused output product + norm's q8_1 output and arrival counters.
 pub(super) const Q8_NORM: usize = 5;
 pub(super) const NORM_DONE: usize = 6;
+/// The fused Q/K/V products + RoPE's arrival counters.
+pub(super) const QKV_DONE: usize = 7;
+/// Decode attention's arrival counters (the merge in the last split's block).
+pub(super) const ATTN_DONE: usize = 8;
 
 /// Unwraps the result of an op; see the module docs for why this ends the process.
 pub(super) fn ok<T>(what: &str, r: Result<T>) -> T {

@@ -1,29 +1,31 @@
 //! The kernels, compiled ahead of time by `scripts/build-cuda-kernels.py` (NVRTC 12.4 from the PyPI
 //! wheels) and embedded here, so a GPU machine needs neither a toolkit nor network: cubins for
-//! sm_80, sm_86, sm_89 and sm_90, and the PTX of each (the driver JIT-compiles PTX for a newer
-//! GPU). CI regenerates `cuda/build/` and fails if it differs from what is committed.
+//! sm_80, sm_86, sm_89 and sm_90, and the PTX of the newest (the driver JIT-compiles it for a newer
+//! GPU; an older one always has a cubin of its major version, so older PTX would never load). CI
+//! regenerates `cuda/build/` and fails if it differs from what is committed.
 
-/// (compute capability as major * 10 + minor, cubin, PTX) per shipped architecture, ascending.
-pub const IMAGES: [(u32, &[u8], &str); 4] = [
+/// (compute capability as major * 10 + minor, cubin, PTX) per shipped architecture, ascending; PTX
+/// for the newest only.
+pub const IMAGES: [(u32, &[u8], Option<&str>); 4] = [
     (
         80,
         include_bytes!("../../../cuda/build/kernels.sm_80.cubin"),
-        include_str!("../../../cuda/build/kernels.sm_80.ptx"),
+        None,
     ),
     (
         86,
         include_bytes!("../../../cuda/build/kernels.sm_86.cubin"),
-        include_str!("../../../cuda/build/kernels.sm_86.ptx"),
+        None,
     ),
     (
         89,
         include_bytes!("../../../cuda/build/kernels.sm_89.cubin"),
-        include_str!("../../../cuda/build/kernels.sm_89.ptx"),
+        None,
     ),
     (
         90,
         include_bytes!("../../../cuda/build/kernels.sm_90.cubin"),
-        include_str!("../../../cuda/build/kernels.sm_90.ptx"),
+        Some(include_str!("../../../cuda/build/kernels.sm_90.ptx")),
     ),
 ];
 
@@ -49,8 +51,8 @@ pub fn select(major: u32, minor: u32) -> Option<Image> {
     IMAGES
         .iter()
         .rev()
-        .find(|(arch, _, _)| *arch <= cc)
-        .map(|&(arch, _, text)| Image::Ptx { arch, text })
+        .find_map(|&(arch, _, text)| Some(Image::Ptx { arch, text: text? }))
+        .filter(|i| matches!(i, Image::Ptx { arch, .. } if *arch <= cc))
 }
 
 #[cfg(test)]
@@ -76,8 +78,14 @@ mod tests {
     fn images_are_the_kernels() {
         for (arch, cubin, ptx) in IMAGES {
             assert_eq!(&cubin[..4], b"\x7fELF", "sm_{arch} cubin");
-            assert!(ptx.contains(&format!(".target sm_{arch}")), "sm_{arch} ptx");
-            assert!(ptx.contains(".entry gemv_q4_k("), "sm_{arch} ptx");
+            if let Some(ptx) = ptx {
+                assert!(ptx.contains(&format!(".target sm_{arch}")), "sm_{arch} ptx");
+                assert!(ptx.contains(".entry gemv_q4_k("), "sm_{arch} ptx");
+            }
         }
+        assert!(
+            IMAGES[3].2.is_some(),
+            "the newest architecture's PTX is shipped"
+        );
     }
 }

@@ -527,6 +527,101 @@ pub fn rope_kv_typed(
     l.launch("rope_kv", grid, [128, 1, 1], &args)
 }
 
+/// The fused Q/K/V products + `rope_kv` kernel for Q, K and V weights of these types
+/// (`GEMV_QKV` in fused.cu): one type for all three, or Q4_K_M's Q4_K Q and K with a Q6_K V.
+pub fn gemv_qkv_kernel(types: (GgmlType, GgmlType, GgmlType)) -> Option<&'static str> {
+    use GgmlType::*;
+    Some(match types {
+        (Q4_0, Q4_0, Q4_0) => "gemv_qkv_q4_0",
+        (Q5_0, Q5_0, Q5_0) => "gemv_qkv_q5_0",
+        (Q8_0, Q8_0, Q8_0) => "gemv_qkv_q8_0",
+        (Q4K, Q4K, Q4K) => "gemv_qkv_q4_k",
+        (Q6K, Q6K, Q6K) => "gemv_qkv_q6_k",
+        (Q4K, Q4K, Q6K) => "gemv_qkv_q4_k_v_q6_k",
+        _ => return None,
+    })
+}
+
+/// Bytes of the arrival counters [`gemv_qkv`] needs for `heads` (query and KV) heads and `ntok`
+/// tokens (zeroed once; every launch leaves them zero).
+pub fn gemv_qkv_done_bytes(heads: usize, ntok: usize) -> usize {
+    4 * heads * ntok.div_ceil(GEMV_TOKENS)
+}
+
+/// One of [`gemv_qkv`]'s three products: weight, its type, its optional bias, the output.
+pub type QkvPart = (u64, GgmlType, Option<u64>, u64);
+
+/// A decode step's Q, K and V products (`ntok` rows of q8_1 activations `xq`, `cols` wide) and
+/// [`rope_kv_typed`] in one launch, exactly as those launches compute them (q rotated in place,
+/// k and v as the products left them, the cache written at `slots`). head_dim a multiple of 4;
+/// `done`: [`gemv_qkv_done_bytes`] of zeros.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_qkv(
+    l: &dyn Launch,
+    xq: u64,
+    (q, k, v): (QkvPart, QkvPart, QkvPart),
+    (cols, ntok): (usize, usize),
+    (kc, vc): (u64, u64),
+    types: (CacheType, CacheType),
+    (slots, pos): (u64, u64),
+    r: &RopeKv,
+    done: u64,
+) -> Result<()> {
+    let Some(name) = gemv_qkv_kernel((q.1, k.1, v.1)) else {
+        bail!(
+            "no fused Q/K/V + RoPE kernel for {}, {}, {}",
+            q.1.name(),
+            k.1.name(),
+            v.1.name()
+        );
+    };
+    check_cache_heads(types, r.head_dim)?;
+    let hd = r.head_dim;
+    if !hd.is_multiple_of(4) || hd > ATTN_MAX_HD {
+        bail!("{name}: head_dim {hd} (a multiple of 4, at most {ATTN_MAX_HD})");
+    }
+    for (w, ty, _, _) in [q, k, v] {
+        if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) && !w.is_multiple_of(16) {
+            bail!("{name} reads 16-byte-aligned weights");
+        }
+    }
+    let theta_scale = r.base.powf(-2.0 / hd as f32);
+    let args = [
+        Arg::Ptr(xq),
+        i32a(cols),
+        i32a(ntok),
+        Arg::Ptr(q.0),
+        Arg::Ptr(q.2.unwrap_or(0)),
+        Arg::Ptr(k.0),
+        Arg::Ptr(k.2.unwrap_or(0)),
+        Arg::Ptr(v.0),
+        Arg::Ptr(v.2.unwrap_or(0)),
+        Arg::Ptr(q.3),
+        Arg::Ptr(k.3),
+        Arg::Ptr(v.3),
+        Arg::Ptr(done),
+        Arg::Ptr(kc),
+        Arg::Ptr(vc),
+        Arg::Ptr(slots),
+        Arg::Ptr(pos),
+        Arg::Ptr(r.ff.unwrap_or(0)),
+        Arg::Ptr(r.q_norm.unwrap_or(0)),
+        Arg::Ptr(r.k_norm.unwrap_or(0)),
+        i32a(r.n_head),
+        i32a(r.n_head_kv),
+        i32a(hd),
+        Arg::F32(theta_scale),
+        Arg::I32((r.style == RopeStyle::Neox) as i32),
+        Arg::F32(r.q_scale),
+        Arg::F32(r.eps),
+        cache_arg(types.0),
+        cache_arg(types.1),
+    ];
+    let blocks = (r.n_head + 2 * r.n_head_kv) * hd / 4;
+    let grid = [blocks as u32, ntok.div_ceil(GEMV_TOKENS) as u32, 1];
+    l.launch(name, grid, [128, 1, 1], &args)
+}
+
 /// `gate = act(gate) * up` over `n` values (a multiple of 32) and its q8_1 blocks into `q8`.
 pub fn glu_q8(
     l: &dyn Launch,
@@ -831,6 +926,15 @@ pub struct AttnArgs {
     pub scale: f32,
     /// Splits per query: ceil(longest visible key range / ATTN_SPLIT).
     pub n_split: usize,
+    /// Arrival counters (n_q × n_head_kv i32, zero between launches: [`attn_done_bytes`]): the
+    /// block finishing a (query, KV head)'s last split merges the splits, and no `attn_merge`
+    /// is launched. 0: `attn_merge` merges.
+    pub done: u64,
+}
+
+/// Bytes of [`AttnArgs::done`] for `n_q` queries of `n_head_kv` KV heads.
+pub fn attn_done_bytes(n_q: usize, n_head_kv: usize) -> usize {
+    4 * n_q * n_head_kv
 }
 
 pub fn attn_part_bytes(n_q: usize, n_head: usize, head_dim: usize, n_split: usize) -> usize {
@@ -889,6 +993,7 @@ fn attention_split(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
         i32a(a.n_split),
         Arg::Ptr(a.out),
         Arg::Ptr(a.q8),
+        Arg::Ptr(a.done),
     ];
     let grid = [a.n_q as u32, a.n_head_kv as u32, a.n_split as u32];
     let kernel = match a.quantized() {
@@ -899,8 +1004,8 @@ fn attention_split(l: &dyn Launch, a: &AttnArgs) -> Result<()> {
         false => "attn_split",
     };
     l.launch(kernel, grid, [128, 1, 1], &args)?;
-    if a.n_split == 1 {
-        return Ok(()); // attn_split wrote the output
+    if a.n_split == 1 || a.done != 0 {
+        return Ok(()); // attn_split wrote (or merged) the output
     }
     let args = [
         Arg::Ptr(a.part),

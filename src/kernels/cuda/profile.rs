@@ -81,10 +81,47 @@ fn multi_shape(t: &Timed) -> Option<(GgmlType, u64, u64, u64)> {
     Some((ty, rows, int(&t.args, 1)?, int(&t.args, 2)?))
 }
 
+/// Q's, K's and V's (type, rows).
+type QkvMatrices = [(GgmlType, u64); 3];
+
+/// The three matrices (type, rows) and the (cols, tokens) of a `gemv_qkv_<type>` launch (xq,
+/// cols, tokens, then weights, outputs and RoPE arguments: n_head 20, n_head_kv 21, head_dim 22;
+/// `gemv_qkv_<qk type>_v_<v type>` when V's type differs).
+fn qkv_shape(t: &Timed) -> Option<(QkvMatrices, u64, u64)> {
+    let types = t.name.strip_prefix("gemv_qkv_")?;
+    let (qk, v) = match types.split_once("_v_") {
+        Some((qk, v)) => (weight_type(qk)?, weight_type(v)?),
+        None => (weight_type(types)?, weight_type(types)?),
+    };
+    let a = &t.args;
+    let (nh, nkv, hd) = (int(a, 20)?, int(a, 21)?, int(a, 22)?);
+    let m = [(qk, nh * hd), (qk, nkv * hd), (v, nkv * hd)];
+    Some((m, int(a, 1)?, int(a, 2)?))
+}
+
+/// Bytes moved by RoPE and the KV write for `rows` rows (q read and written, k and v read as
+/// f32, the cache written in its types: f16, or q8_0/q4_0 blocks), from `rope_kv`'s arguments
+/// n_head, n_head_kv, head_dim, k_type and v_type at these indices.
+fn rope_bytes(a: &[Arg], rows: u64, [nh, nkv, hd, kt, vt]: [usize; 5]) -> Option<u64> {
+    let (nh, nkv, hd) = (int(a, nh)?, int(a, nkv)?, int(a, hd)?);
+    let stored = |i: usize| match int(a, i) {
+        Some(1) => hd / 32 * 34,
+        Some(2) => hd / 32 * 18,
+        _ => hd * 2,
+    };
+    Some(rows * (nh * hd * 8 + nkv * (hd * 8 + stored(kt) + stored(vt))))
+}
+
 /// The weight bytes a matrix-product launch reads, in the device's layout (None for other
 /// kernels).
 pub fn weight_bytes(t: &Timed) -> Option<u64> {
     let dev = |ty, cols: u64| repack::row_bytes(ty, cols as usize).map(|b| b as u64);
+    if let Some((m, cols, _)) = qkv_shape(t) {
+        return m
+            .iter()
+            .map(|&(ty, rows)| Some(rows * dev(ty, cols)?))
+            .sum();
+    }
     if let Some((ty, rows, cols, _)) = multi_shape(t) {
         return Some(rows * dev(ty, cols)?);
     }
@@ -97,6 +134,12 @@ pub fn weight_bytes(t: &Timed) -> Option<u64> {
 pub fn launch_bytes(t: &Timed) -> Option<u64> {
     let a = &t.args;
     let q8 = |values: u64| values / 32 * Q8_1_BYTES as u64;
+    if let Some((m, cols, n)) = qkv_shape(t) {
+        // The products' outputs written (f32), then RoPE and the KV write on them.
+        let rows: u64 = m.iter().map(|&(_, r)| r).sum();
+        let rope = rope_bytes(a, n, [20, 21, 22, 27, 28])?;
+        return Some(weight_bytes(t)? + q8(n * cols) + n * rows * 4 + rope);
+    }
     if let Some((_, rows, cols, n)) = multi_shape(t) {
         // A fused GLU also reads the gate and up values back, writes the GLU over gate, and its
         // q8_1 blocks.
@@ -141,18 +184,7 @@ pub fn launch_bytes(t: &Timed) -> Option<u64> {
             let n = int(a, 3)?;
             Some(n * 4 * 3 + q8(n))
         }
-        "rope_kv" => {
-            // q read and written (f32), k and v read (f32) and written to the caches in their
-            // types (k_type, v_type: f16, or q8_0/q4_0 blocks)
-            let (nh, nkv, hd) = (int(a, 10)?, int(a, 11)?, int(a, 12)?);
-            let rows = t.grid[0] as u64;
-            let stored = |i: usize| match int(a, i) {
-                Some(1) => hd / 32 * 34,
-                Some(2) => hd / 32 * 18,
-                _ => hd * 2,
-            };
-            Some(rows * (nh * hd * 8 + nkv * (hd * 8 + stored(17) + stored(18))))
-        }
+        "rope_kv" => rope_bytes(a, t.grid[0] as u64, [10, 11, 12, 17, 18]),
         _ => None,
     }
 }
@@ -161,8 +193,10 @@ pub fn launch_bytes(t: &Timed) -> Option<u64> {
 /// all of a multi-matrix launch's, × cols), so that each matrix shape has its own bandwidth (a
 /// model's output head apart from its 256-row V projection of the same type).
 fn label(t: &Timed) -> String {
+    let qkv = qkv_shape(t).map(|(m, cols, _)| (m.iter().map(|&(_, r)| r).sum(), cols));
     let shape = match multi_shape(t) {
         Some((_, rows, cols, _)) => Some((rows, cols)),
+        None if qkv.is_some() => qkv,
         None => matmul_type(&t.name).and_then(|_| Some((int(&t.args, 3)?, int(&t.args, 4)?))),
     };
     match shape {

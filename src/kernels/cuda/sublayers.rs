@@ -11,8 +11,8 @@ use std::sync::atomic::Ordering;
 use anyhow::{bail, Result};
 
 use super::backend::{
-    i32s, CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight, GLU_DONE, NORM_DONE, PART, Q8, Q8_GLU,
-    Q8_NORM,
+    i32s, CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight, ATTN_DONE, GLU_DONE, NORM_DONE, PART,
+    Q8, Q8_GLU, Q8_NORM, QKV_DONE,
 };
 use super::ops::{self, AttnArgs, RopeKv};
 use crate::model::backend::{
@@ -32,6 +32,20 @@ fn fused_ffn() -> bool {
 fn fused_norm() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("INFER_CUDA_FUSED_NORM").as_deref() != Ok("0"))
+}
+
+/// Whether a decode step's Q/K/V products and `rope_kv` share a launch (`INFER_CUDA_FUSED_QKV=0`:
+/// not, for measuring the difference on a GPU).
+fn fused_qkv() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("INFER_CUDA_FUSED_QKV").as_deref() != Ok("0"))
+}
+
+/// Whether decode attention merges its splits in the block that finishes the last of them
+/// (`INFER_CUDA_FUSED_MERGE=0`: in an `attn_merge` launch of its own).
+fn fused_merge() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("INFER_CUDA_FUSED_MERGE").as_deref() != Ok("0"))
 }
 
 /// Most rows for which the join runs inside the product's launch: its last block normalises the
@@ -309,14 +323,6 @@ impl CudaBackend {
         out: &mut CudaAct,
         join: Option<Join<'_, Self>>,
     ) -> Result<()> {
-        self.try_matmul_many(
-            h,
-            &mut [
-                (blk.wq, blk.bq, &mut *s.q),
-                (blk.wk, blk.bk, &mut *s.k),
-                (blk.wv, blk.bv, &mut *s.v),
-            ],
-        )?;
         let sh = batch.shape;
         let r = RopeKv {
             n_head: sh.n_head,
@@ -332,17 +338,81 @@ impl CudaBackend {
         };
         let slots = self.ints(&i32s(batch.slots.iter().copied()))?;
         let pos = self.ints(&i32s(batch.positions.iter().map(|&p| p as usize)))?;
-        ops::rope_kv_typed(
-            self.l(),
-            (s.q.buf.ptr, s.k.buf.ptr, s.v.buf.ptr),
-            (kv.k[layer].ptr, kv.v[layer].ptr),
-            (kv.k_type, kv.v_type),
-            (slots, pos),
-            s.q.rows,
-            &r,
-        )?;
+        if !self.try_qkv_rope(h, blk, (kv, layer), &s, &r, (slots, pos))? {
+            self.try_matmul_many(
+                h,
+                &mut [
+                    (blk.wq, blk.bq, &mut *s.q),
+                    (blk.wk, blk.bk, &mut *s.k),
+                    (blk.wv, blk.bv, &mut *s.v),
+                ],
+            )?;
+            ops::rope_kv_typed(
+                self.l(),
+                (s.q.buf.ptr, s.k.buf.ptr, s.v.buf.ptr),
+                (kv.k[layer].ptr, kv.v[layer].ptr),
+                (kv.k_type, kv.v_type),
+                (slots, pos),
+                s.q.rows,
+                &r,
+            )?;
+        }
         self.try_attention(s.q, kv, layer, batch.queries, sh, s.attn)?;
         self.try_matmul_join(s.attn, blk.wo, out, join)
+    }
+
+    /// A decode step's Q/K/V products and `rope_kv` in one launch ([`ops::gemv_qkv`]), exactly as
+    /// the two steps compute them. False (and nothing done) where it does not apply: more rows
+    /// than a GEMV takes, weight types without the kernel, heads not a multiple of 4 wide, widths
+    /// not whole q8_1 blocks, or `INFER_CUDA_FUSED_QKV=0`.
+    fn try_qkv_rope(
+        &self,
+        h: &CudaAct,
+        blk: &AttnBlock<'_, Self>,
+        (kv, layer): (&CudaKv, usize),
+        s: &AttnScratch<'_, Self>,
+        r: &RopeKv,
+        tables: (u64, u64),
+    ) -> Result<bool> {
+        let (n, hd) = (h.rows, r.head_dim);
+        let (qd, kvd) = (r.n_head * hd, r.n_head_kv * hd);
+        let ws = [blk.wq, blk.wk, blk.wv];
+        let shapes = |a: &CudaAct, cols| (a.rows, a.cols) == (n, cols);
+        if !fused_qkv()
+            || n > ops::GEMV_TOKENS
+            || ops::gemv_qkv_kernel((blk.wq.ty, blk.wk.ty, blk.wv.ty)).is_none()
+            || !hd.is_multiple_of(4)
+            || !h.cols.is_multiple_of(32)
+            || ws.iter().any(|w| w.cols != h.cols)
+            || (blk.wq.rows, blk.wk.rows, blk.wv.rows) != (qd, kvd, kvd)
+            || !(shapes(s.q, qd) && shapes(s.k, kvd) && shapes(s.v, kvd))
+        {
+            return Ok(false);
+        }
+        let ready = self.q8_of(h); // before `l()`, which marks every record stale
+        let l = self.l();
+        let xq = match ready {
+            Some(q8) => q8, // the norm before attention just wrote them
+            None => {
+                let q8 = self.scratch(Q8, n * h.cols / 32 * ops::Q8_1_BYTES)?;
+                ops::quantize_q8_1(l, h.buf.ptr, q8, n * h.cols)?;
+                q8
+            }
+        };
+        let heads = r.n_head + r.n_head_kv;
+        let done = self.scratch(QKV_DONE, ops::gemv_qkv_done_bytes(heads, n))?;
+        let part = |w: &CudaWeight, b: Option<&CudaVec>, o: &CudaAct| {
+            (w.buf.ptr, w.ty, b.map(|b| b.buf.ptr), o.buf.ptr)
+        };
+        let parts = (
+            part(blk.wq, blk.bq, s.q),
+            part(blk.wk, blk.bk, s.k),
+            part(blk.wv, blk.bv, s.v),
+        );
+        let cache = (kv.k[layer].ptr, kv.v[layer].ptr);
+        let types = (kv.k_type, kv.v_type);
+        ops::gemv_qkv(l, xq, parts, (h.cols, n), cache, types, tables, r, done)?;
+        Ok(true)
     }
 
     pub(super) fn try_attention(
@@ -395,6 +465,7 @@ impl CudaBackend {
             v_type: kv.v_type,
             scale: shape.scale,
             n_split,
+            done: 0,
         };
         if tiled {
             let tiles_d = self.ints(&tiles)?;
@@ -405,8 +476,17 @@ impl CudaBackend {
             true => self.q8_scratch(out.rows * out.cols, out.cols)?,
             false => None,
         };
+        // Several splits: the block finishing a (row, KV head)'s last split merges them.
+        let done = match n_split > 1 && fused_merge() {
+            true => self.scratch(
+                ATTN_DONE,
+                ops::attn_done_bytes(queries.len(), shape.n_head_kv),
+            )?,
+            false => 0,
+        };
         let a = AttnArgs {
             q8: q8.unwrap_or(0),
+            done,
             ..a
         };
         ops::attention(self.l(), &a)?;
