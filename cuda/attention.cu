@@ -97,12 +97,7 @@ __device__ NOINLINE void merge_if_last(int qi, int kvh, int G, int n_head_kv,
                                               int n_split, uint8_t* q8, int* done, int* last) {
   if (!done || n_split == 1) return;
   int* count = done + (size_t)qi * n_head_kv + kvh;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) *last = atomicAdd(count, 1) == n_split - 1;
-  __syncthreads();
-  if (!*last) return;
-  __threadfence();
+  if (!last_to_arrive(count, n_split, last)) return;
   const volatile float* p = part;
   for (int g = 0; g < G; g++)
     merge_head<const volatile float*>(qi, kvh * G + g, p, out, n_head, hd, n_split, q8);

@@ -177,6 +177,22 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+/// The last-block pattern: every block of a launch that shares `count` (an int in global memory,
+/// zero between launches) calls this once its results are written; true, in every thread, in the
+/// block that arrives `need`-th, after which the others' writes are visible to it (read them
+/// through volatile loads: they may be in no cache of this SM). Each block fences its writes and
+/// passes the block's barrier before it counts, so nothing waits and no block is assumed to run
+/// before another. The last block must set `count` back to zero. `last`: a shared int.
+__device__ __forceinline__ bool last_to_arrive(int* count, int need, int* last) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *last = atomicAdd(count, 1) == need - 1;
+  __syncthreads();
+  if (!*last) return false;
+  __threadfence();
+  return true;
+}
+
 /// One q8_1 block from the 32 lanes of a warp, lane i holding value i: ggml's
 /// quantize_row_q8_1_ref (d = amax / 127, q = roundf(v / d), s = d * sum(q)) into the 36 bytes at
 /// `ob`. Called by all 32 lanes together.

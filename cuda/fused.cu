@@ -238,14 +238,9 @@ EMU_EXPORT(glu_q8)
     } else {                                                                                       \
       FN(wu, xq, up, ff, cols, nt, nullptr, rb - nb);                                              \
     }                                                                                              \
-    __threadfence();                                                                               \
-    __syncthreads();                                                                               \
     const int group = rb % nb / (32 / GEMV_ROWS);                                                  \
     int* count = done + (size_t)blockIdx.y * (ff / 32) + group;                                    \
-    if (threadIdx.x == 0) last = atomicAdd(count, 1) == 2 * (32 / GEMV_ROWS) - 1;                  \
-    __syncthreads();                                                                               \
-    if (!last) return;                                                                             \
-    __threadfence();                                                                               \
+    if (!last_to_arrive(count, 2 * (32 / GEMV_ROWS), &last)) return;                               \
     const int t0 = blockIdx.y * GEMV_TOKENS, ntt = min(GEMV_TOKENS, nt - t0);                      \
     const volatile float* g = gate;                                                                \
     const volatile float* u = up;                                                                  \
@@ -281,12 +276,7 @@ GEMV_GLU(gemv_q6k, gemv_glu_q6_k)
     __shared__ int last;                                                                           \
     __shared__ float scratch[32];                                                                  \
     FN(w, xq, y, rows, cols, nt, nullptr, blockIdx.x);                                             \
-    __threadfence();                                                                               \
-    __syncthreads();                                                                               \
-    if (threadIdx.x == 0) last = atomicAdd(done + blockIdx.y, 1) == (int)gridDim.x - 1;            \
-    __syncthreads();                                                                               \
-    if (!last) return;                                                                             \
-    __threadfence();                                                                               \
+    if (!last_to_arrive(done + blockIdx.y, (int)gridDim.x, &last)) return;                         \
     const int t0 = blockIdx.y * GEMV_TOKENS, ntt = min(GEMV_TOKENS, nt - t0);                      \
     for (int t = t0; t < t0 + ntt; t++) {                                                          \
       const size_t r = (size_t)t * rows;                                                           \
@@ -336,14 +326,8 @@ GEMV_NORM(gemv_q6k, gemv_norm_q6_k)
       FV(wv, xq, v, kv_dim, cols, nt, bv, rb - nq - nk);                                           \
       head = n_head + (rb - nq - nk) / hb;                                                         \
     }                                                                                              \
-    __threadfence();                                                                               \
-    __syncthreads();                                                                               \
     int* count = done + (size_t)blockIdx.y * (n_head + n_head_kv) + head;                          \
-    const int need = head < n_head ? hb : 2 * hb;                                                  \
-    if (threadIdx.x == 0) last = atomicAdd(count, 1) == need - 1;                                  \
-    __syncthreads();                                                                               \
-    if (!last) return;                                                                             \
-    __threadfence();                                                                               \
+    if (!last_to_arrive(count, head < n_head ? hb : 2 * hb, &last)) return; /* a KV head: K, V */  \
     const int t0 = blockIdx.y * GEMV_TOKENS, ntt = min(GEMV_TOKENS, nt - t0);                      \
     const volatile float *qv = q, *kv = k, *vv = v;                                                \
     for (int t = t0; t < t0 + ntt; t++) {                                                          \

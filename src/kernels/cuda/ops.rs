@@ -483,6 +483,35 @@ pub fn rope_kv(
     rope_kv_typed(l, qkv, caches, f16, idx, rows, r)
 }
 
+/// `rope_kv`'s arguments after q, k and v (the fused Q/K/V kernel's after its own): the caches,
+/// the row tables, then what is done to each head.
+fn rope_kv_args(
+    (kc, vc): (u64, u64),
+    types: (CacheType, CacheType),
+    (slots, pos): (u64, u64),
+    r: &RopeKv,
+) -> [Arg; 16] {
+    let theta_scale = r.base.powf(-2.0 / r.head_dim as f32);
+    [
+        Arg::Ptr(kc),
+        Arg::Ptr(vc),
+        Arg::Ptr(slots),
+        Arg::Ptr(pos),
+        Arg::Ptr(r.ff.unwrap_or(0)),
+        Arg::Ptr(r.q_norm.unwrap_or(0)),
+        Arg::Ptr(r.k_norm.unwrap_or(0)),
+        i32a(r.n_head),
+        i32a(r.n_head_kv),
+        i32a(r.head_dim),
+        Arg::F32(theta_scale),
+        Arg::I32((r.style == RopeStyle::Neox) as i32),
+        Arg::F32(r.q_scale),
+        Arg::F32(r.eps),
+        cache_arg(types.0),
+        cache_arg(types.1),
+    ]
+}
+
 /// [`rope_kv`] into caches whose K and V rows are of `types` (a quantized side's rows are
 /// rotated and rounded to ggml blocks, as the CPU's `quant_cache.rs` stores them).
 pub fn rope_kv_typed(
@@ -501,28 +530,8 @@ pub fn rope_kv_typed(
             r.head_dim
         );
     }
-    let theta_scale = r.base.powf(-2.0 / r.head_dim as f32);
-    let args = [
-        Arg::Ptr(q),
-        Arg::Ptr(k),
-        Arg::Ptr(v),
-        Arg::Ptr(kc),
-        Arg::Ptr(vc),
-        Arg::Ptr(slots),
-        Arg::Ptr(pos),
-        Arg::Ptr(r.ff.unwrap_or(0)),
-        Arg::Ptr(r.q_norm.unwrap_or(0)),
-        Arg::Ptr(r.k_norm.unwrap_or(0)),
-        i32a(r.n_head),
-        i32a(r.n_head_kv),
-        i32a(r.head_dim),
-        Arg::F32(theta_scale),
-        Arg::I32((r.style == RopeStyle::Neox) as i32),
-        Arg::F32(r.q_scale),
-        Arg::F32(r.eps),
-        cache_arg(types.0),
-        cache_arg(types.1),
-    ];
+    let mut args = vec![Arg::Ptr(q), Arg::Ptr(k), Arg::Ptr(v)];
+    args.extend(rope_kv_args((kc, vc), types, (slots, pos), r));
     let grid = [rows as u32, (r.n_head + r.n_head_kv) as u32, 1];
     l.launch("rope_kv", grid, [128, 1, 1], &args)
 }
@@ -585,8 +594,7 @@ pub fn gemv_qkv(
             bail!("{name} reads 16-byte-aligned weights");
         }
     }
-    let theta_scale = r.base.powf(-2.0 / hd as f32);
-    let args = [
+    let mut args = vec![
         Arg::Ptr(xq),
         i32a(cols),
         i32a(ntok),
@@ -600,23 +608,8 @@ pub fn gemv_qkv(
         Arg::Ptr(k.3),
         Arg::Ptr(v.3),
         Arg::Ptr(done),
-        Arg::Ptr(kc),
-        Arg::Ptr(vc),
-        Arg::Ptr(slots),
-        Arg::Ptr(pos),
-        Arg::Ptr(r.ff.unwrap_or(0)),
-        Arg::Ptr(r.q_norm.unwrap_or(0)),
-        Arg::Ptr(r.k_norm.unwrap_or(0)),
-        i32a(r.n_head),
-        i32a(r.n_head_kv),
-        i32a(hd),
-        Arg::F32(theta_scale),
-        Arg::I32((r.style == RopeStyle::Neox) as i32),
-        Arg::F32(r.q_scale),
-        Arg::F32(r.eps),
-        cache_arg(types.0),
-        cache_arg(types.1),
     ];
+    args.extend(rope_kv_args((kc, vc), types, (slots, pos), r));
     let blocks = (r.n_head + 2 * r.n_head_kv) * hd / 4;
     let grid = [blocks as u32, ntok.div_ceil(GEMV_TOKENS) as u32, 1];
     l.launch(name, grid, [128, 1, 1], &args)

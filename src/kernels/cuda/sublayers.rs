@@ -14,6 +14,7 @@ use super::backend::{
     i32s, CudaAct, CudaBackend, CudaKv, CudaVec, CudaWeight, ATTN_DONE, GLU_DONE, NORM_DONE, PART,
     Q8, Q8_GLU, Q8_NORM, QKV_DONE,
 };
+use super::launch::Launch;
 use super::ops::{self, AttnArgs, RopeKv};
 use crate::model::backend::{
     AttnBatch, AttnBlock, AttnQuery, AttnScratch, AttnShape, Join, MatmulJob,
@@ -98,6 +99,22 @@ impl CudaBackend {
         self.row_invariant.load(Ordering::Relaxed) && rows <= INVARIANT_ROWS
     }
 
+    /// The launcher for an op that reads `x` as q8_1 blocks, and those blocks: the ones a fused
+    /// kernel just wrote of `x` (on record), else `x` quantized into the `Q8` scratch now.
+    pub(super) fn l_with_q8(&self, x: &CudaAct) -> Result<(&dyn Launch, u64)> {
+        let ready = self.q8_of(x); // before `l()`, which marks every record stale
+        let l = self.l();
+        let q8 = match ready {
+            Some(q8) => q8,
+            None => {
+                let q8 = self.scratch(Q8, x.rows * x.cols / 32 * ops::Q8_1_BYTES)?;
+                ops::quantize_q8_1(l, x.buf.ptr, q8, x.rows * x.cols)?;
+                q8
+            }
+        };
+        Ok((l, q8))
+    }
+
     /// q8_1 scratch for `values` activations (a multiple of 32), or None if they cannot be.
     pub(super) fn q8_scratch(&self, values: usize, cols: usize) -> Result<Option<u64>> {
         if !cols.is_multiple_of(32) {
@@ -131,16 +148,8 @@ impl CudaBackend {
         {
             return Ok(false);
         }
-        let ready = self.q8_of(h); // before `l()`, which marks every record stale
-        let l = self.l();
-        let xq = match ready {
-            Some(q8) => q8, // the norm before the FFN just wrote them
-            None => {
-                let q8 = self.scratch(Q8, n * h.cols / 32 * ops::Q8_1_BYTES)?;
-                ops::quantize_q8_1(l, h.buf.ptr, q8, n * h.cols)?;
-                q8
-            }
-        };
+        // q8_1 blocks of h: the norm before the FFN just wrote them, or quantized now
+        let (l, xq) = self.l_with_q8(h)?;
         let q8 = self.scratch(Q8_GLU, n * ff / 32 * ops::Q8_1_BYTES)?;
         let done = self.scratch(GLU_DONE, ops::gemv_glu_done_bytes(ff, n))?;
         let shape = (ff, h.cols, n);
@@ -181,16 +190,8 @@ impl CudaBackend {
             j.run(self, out);
             return Ok(());
         }
-        let ready = self.q8_of(x); // before `l()`, which marks every record stale
-        let l = self.l();
-        let xq = match ready {
-            Some(q8) => q8, // attention or the GLU just wrote them
-            None => {
-                let q8 = self.scratch(Q8, n * x.cols / 32 * ops::Q8_1_BYTES)?;
-                ops::quantize_q8_1(l, x.buf.ptr, q8, n * x.cols)?;
-                q8
-            }
-        };
+        // q8_1 blocks of x: attention or the GLU just wrote them, or quantized now
+        let (l, xq) = self.l_with_q8(x)?;
         let args = ops::NormJoin {
             x: j.x.buf.ptr,
             y_norm: j.y_norm.map(|v| v.buf.ptr),
@@ -389,16 +390,8 @@ impl CudaBackend {
         {
             return Ok(false);
         }
-        let ready = self.q8_of(h); // before `l()`, which marks every record stale
-        let l = self.l();
-        let xq = match ready {
-            Some(q8) => q8, // the norm before attention just wrote them
-            None => {
-                let q8 = self.scratch(Q8, n * h.cols / 32 * ops::Q8_1_BYTES)?;
-                ops::quantize_q8_1(l, h.buf.ptr, q8, n * h.cols)?;
-                q8
-            }
-        };
+        // q8_1 blocks of h: the norm before attention just wrote them, or quantized now
+        let (l, xq) = self.l_with_q8(h)?;
         let heads = r.n_head + r.n_head_kv;
         let done = self.scratch(QKV_DONE, ops::gemv_qkv_done_bytes(heads, n))?;
         let part = |w: &CudaWeight, b: Option<&CudaVec>, o: &CudaAct| {
