@@ -344,5 +344,7 @@ GEMV_QKV(gemv_q<Q5_0>, gemv_q<Q5_0>, gemv_q<Q5_0>, gemv_qkv_q5_0)
 GEMV_QKV(gemv_q<Q8_0>, gemv_q<Q8_0>, gemv_q<Q8_0>, gemv_qkv_q8_0)
 GEMV_QKV(gemv_q4k, gemv_q4k, gemv_q4k, gemv_qkv_q4_k)
 GEMV_QKV(gemv_q6k, gemv_q6k, gemv_q6k, gemv_qkv_q6_k)
-// Q4_K_M files: Q and K in Q4_K, V in Q6_K in some layers.
+// Q4_K_M files: Q and K in Q4_K, V in Q6_K in some layers (Qwen2.5-1.5B: 14 of 28); or Q and K
+// in Q5_0, V in Q8_0 (Gemma-3-270M: 9 of 18).
 GEMV_QKV(gemv_q4k, gemv_q4k, gemv_q6k, gemv_qkv_q4_k_v_q6_k)
+GEMV_QKV(gemv_q<Q5_0>, gemv_q<Q5_0>, gemv_q<Q8_0>, gemv_qkv_q5_0_v_q8_0)

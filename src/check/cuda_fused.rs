@@ -1,15 +1,14 @@
 //! The fused kernels' check (part of [`super::cuda_kernels::run_all`]): `add_rms_norm_q8`,
-//! `rope_kv`, `glu_q8`, `gemv_glu_*`, `gemv_norm_*` and `gemv_qkv_*` (cuda/fused.cu) against the CPU backend's scalar ops
-//! composed as the unfused path composes them (`kernels::cpu::ops`: RMS norm, RoPE caches and
-//! rotation, the gated activations) and the crate's q8_1 quantizer, at ragged shapes: rows of 100
-//! (no q8_1), 640
-//! (Gemma-3-270M's width) and 896/1536, with and without the residual add and Gemma's norm of the
-//! sublayer output; GQA and MQA head layouts with both RoPE pairings, frequency factors, per-head
-//! q/k norms, q scaling and scattered KV slots. The q8_1 blocks are held bit for bit to the
-//! reference quantizer applied to the kernel's own f32 output. The fused gate/up GEMV + GLU
-//! (`gemv_glu_*`), the fused output product + residual join (`gemv_norm_*`) and the fused Q/K/V
-//! products + RoPE and KV write (`gemv_qkv_*`) are held bit for bit to the unfused launches they
-//! replace.
+//! `rope_kv`, `glu_q8`, `gemv_glu_*`, `gemv_norm_*` and `gemv_qkv_*` (cuda/fused.cu) against the
+//! CPU backend's scalar ops composed as the unfused path composes them (`kernels::cpu::ops`: RMS
+//! norm, RoPE caches and rotation, the gated activations) and the crate's q8_1 quantizer, at
+//! ragged shapes: rows of 100 (no q8_1), 640 (Gemma-3-270M's width) and 896/1536, with and without
+//! the residual add and Gemma's norm of the sublayer output; GQA and MQA head layouts with both
+//! RoPE pairings, frequency factors, per-head q/k norms, q scaling and scattered KV slots. The q8_1
+//! blocks are held bit for bit to the reference quantizer applied to the kernel's own f32 output.
+//! The fused gate/up GEMV + GLU (`gemv_glu_*`), the fused output product + residual join
+//! (`gemv_norm_*`) and the fused Q/K/V products + RoPE and KV write (`gemv_qkv_*`) are held bit
+//! for bit to the unfused launches they replace.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -44,79 +43,20 @@ fn gemv_qkv(l: &Arc<dyn Launch>, out: &mut Vec<Check>) -> Result<()> {
     use crate::model::backend::CacheType::{self, F16, Q4_0 as C4, Q8_0 as C8};
     // (Q/K type, V type, cols, tokens, heads, KV heads, head_dim, pairing, biases + norms + ff,
     // cache types)
+    #[rustfmt::skip]
     type Case = (
-        GgmlType,
-        GgmlType,
-        usize,
-        usize,
-        usize,
-        usize,
-        usize,
-        RopeStyle,
-        bool,
+        GgmlType, GgmlType, usize, usize, usize, usize, usize, RopeStyle, bool,
         (CacheType, CacheType),
     );
-    let cases: [Case; 5] = [
-        (
-            Q4K,
-            Q6K,
-            256,
-            1,
-            4,
-            2,
-            64,
-            RopeStyle::Neox,
-            true,
-            (F16, F16),
-        ),
-        (
-            Q4K,
-            Q4K,
-            512,
-            1,
-            2,
-            1,
-            128,
-            RopeStyle::Normal,
-            false,
-            (C8, C8),
-        ),
-        (
-            Q8_0,
-            Q8_0,
-            96,
-            3,
-            3,
-            1,
-            32,
-            RopeStyle::Neox,
-            true,
-            (C4, F16),
-        ),
-        (
-            Q4_0,
-            Q4_0,
-            64,
-            9,
-            2,
-            2,
-            16,
-            RopeStyle::Normal,
-            true,
-            (F16, F16),
-        ),
-        (
-            Q5_0,
-            Q5_0,
-            160,
-            1,
-            2,
-            1,
-            256,
-            RopeStyle::Neox,
-            false,
-            (F16, C8),
-        ),
+    #[rustfmt::skip]
+    let cases: [Case; 6] = [
+        (Q4K, Q6K, 256, 1, 4, 2, 64, RopeStyle::Neox, true, (F16, F16)),
+        (Q4K, Q4K, 512, 1, 2, 1, 128, RopeStyle::Normal, false, (C8, C8)),
+        (Q8_0, Q8_0, 96, 3, 3, 1, 32, RopeStyle::Neox, true, (C4, F16)),
+        (Q4_0, Q4_0, 64, 9, 2, 2, 16, RopeStyle::Normal, true, (F16, F16)),
+        (Q5_0, Q5_0, 160, 1, 2, 1, 256, RopeStyle::Neox, false, (F16, C8)),
+        // Gemma-3-270M's layers with a Q8_0 V: its shapes
+        (Q5_0, Q8_0, 640, 1, 4, 1, 256, RopeStyle::Neox, true, (F16, F16)),
     ];
     let (eps, base, slots_total) = (1e-6, 10000.0, 40);
     for (i, (tqk, tv, cols, n, nh, nkv, hd, style, extras, types)) in cases.into_iter().enumerate()

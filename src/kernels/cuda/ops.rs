@@ -537,7 +537,8 @@ pub fn rope_kv_typed(
 }
 
 /// The fused Q/K/V products + `rope_kv` kernel for Q, K and V weights of these types
-/// (`GEMV_QKV` in fused.cu): one type for all three, or Q4_K_M's Q4_K Q and K with a Q6_K V.
+/// (`GEMV_QKV` in fused.cu): one type for all three, or the mixes of Q4_K_M files (Q4_K Q and K
+/// with a Q6_K V; Q5_0 Q and K with a Q8_0 V).
 pub fn gemv_qkv_kernel(types: (GgmlType, GgmlType, GgmlType)) -> Option<&'static str> {
     use GgmlType::*;
     Some(match types {
@@ -547,6 +548,7 @@ pub fn gemv_qkv_kernel(types: (GgmlType, GgmlType, GgmlType)) -> Option<&'static
         (Q4K, Q4K, Q4K) => "gemv_qkv_q4_k",
         (Q6K, Q6K, Q6K) => "gemv_qkv_q6_k",
         (Q4K, Q4K, Q6K) => "gemv_qkv_q4_k_v_q6_k",
+        (Q5_0, Q5_0, Q8_0) => "gemv_qkv_q5_0_v_q8_0",
         _ => return None,
     })
 }
