@@ -48,12 +48,25 @@ pub fn selftest(a: SelftestArgs) -> Result<()> {
             .tensors
             .iter()
             .all(|t| matches!(t.ty, GgmlType::F32 | GgmlType::F16));
-        // As tests/cuda_forward.rs: the backends quantize activations differently.
-        let tol = if float_only { 1e-3 } else { 0.04 };
+        // As tests/cuda_forward.rs: the backends quantize activations differently. Random weights
+        // (`infer synth` files) give small, flat logits, over which the backends' activation
+        // roundings (q8_K on the CPU, q8_1 on the GPU) compound through the layers to several %
+        // of the largest logit: on the emulator, which runs these kernels' source, 9.1% (Qwen2.5-
+        // 1.5B's shapes) and 7.4% (Gemma-3-270M's) over 12 prompt rows and 4 decode steps, argmax
+        // equal in every row. There the tolerance is 0.15, and every row's argmax must agree up to
+        // a near tie.
+        let synthetic =
+            g.get_str("general.name") == Some(infer::convert::synthetic::SYNTHETIC_NAME);
+        let tol = match (float_only, synthetic) {
+            (true, _) => 1e-3,
+            (false, false) => 0.04,
+            (false, true) => 0.15,
+        };
         let prompt: Vec<u32> = (0..a.tokens as u32).map(|i| (i * 37 + 5) % vocab).collect();
         let r = check_forward::forward(Arc::clone(&l), &path, &prompt, 4)?;
         let rel = (r.max_diff / r.scale) as f64;
-        let pass = rel <= tol;
+        let flips_ok = !synthetic || r.worst_flip <= check_forward::NEAR_TIE * r.scale;
+        let pass = rel <= tol && flips_ok;
         failed += !pass as usize;
         total += 1;
         println!(

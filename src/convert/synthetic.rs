@@ -132,6 +132,9 @@ fn tensor_data(spec: &Spec, rng: &mut Rng) -> Result<Vec<u8>> {
     Ok(data)
 }
 
+/// The `general.name` of every file [`expand`] writes (how `infer selftest` knows random weights).
+pub const SYNTHETIC_NAME: &str = "synthetic (random weights)";
+
 /// A full model file from a skeleton: its metadata (without [`SKELETON_KEY`]) and random tensors.
 pub fn expand(skel: &Gguf, seed: u64) -> Result<GgufWriter> {
     let specs = specs(skel)?;
@@ -139,10 +142,7 @@ pub fn expand(skel: &Gguf, seed: u64) -> Result<GgufWriter> {
     for (k, v) in skel.metadata().iter().filter(|(k, _)| k != SKELETON_KEY) {
         w.add_kv(k, v.clone());
     }
-    w.add_kv(
-        "general.name",
-        Value::String("synthetic (random weights)".into()),
-    );
+    w.add_kv("general.name", Value::String(SYNTHETIC_NAME.into()));
     let mut rng = Rng(seed);
     for s in &specs {
         let data = tensor_data(s, &mut rng)?;
