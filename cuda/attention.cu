@@ -92,9 +92,9 @@ __device__ __forceinline__ void merge_head(int qi, int h, P part, float* __restr
 /// and sets the counter back to zero. `last` is a shared int. Every thread of the block calls it.
 /// Out of line: inlined, it raised attn_split's registers from 80 to 131 (sm_90), for a path
 /// that one block in n_split takes.
-__device__ NOINLINE void merge_if_last(int qi, int kvh, int G, int n_head_kv,
-                                              const float* part, float* out, int n_head, int hd,
-                                              int n_split, uint8_t* q8, int* done, int* last) {
+__device__ NOINLINE void merge_if_last(int qi, int kvh, int G, int n_head_kv, const float* part,
+                                       float* out, int n_head, int hd, int n_split, uint8_t* q8,
+                                       int* done, int* last) {
   if (!done || n_split == 1) return;
   int* count = done + (size_t)qi * n_head_kv + kvh;
   if (!last_to_arrive(count, n_split, last)) return;

@@ -70,9 +70,8 @@ impl CudaKv {
 
 pub struct CudaBackend {
     pub(super) l: Arc<dyn Launch>,
-    /// Grow-only scratch: q8_1 activations, attention partials, sampled rows, the fused FFN's,
-    /// the fused norm's, the fused Q/K/V's and
-    /// attention's merge counters.
+    /// Grow-only scratch: q8_1 activations, attention partials, sampled rows, and the fused
+    /// kernels' outputs and arrival counters (FFN, norm, Q/K/V, attention's merge).
     pub(super) scratch: Mutex<[Option<DevBuf>; 9]>,
     /// The sample table last uploaded to the `SAMPLE` scratch buffer (so an unchanged one is
     /// not uploaded again).

@@ -51,8 +51,8 @@ pub fn select(major: u32, minor: u32) -> Option<Image> {
     IMAGES
         .iter()
         .rev()
+        .filter(|(arch, _, _)| *arch <= cc)
         .find_map(|&(arch, _, text)| Some(Image::Ptx { arch, text: text? }))
-        .filter(|i| matches!(i, Image::Ptx { arch, .. } if *arch <= cc))
 }
 
 #[cfg(test)]

@@ -21,32 +21,35 @@ use crate::model::backend::{
 };
 use crate::model::config::Activation;
 
-/// Whether the decode FFN's gate, up and GLU share a launch (`INFER_CUDA_FUSED_FFN=0`: not, for
-/// measuring the difference on a GPU).
+/// Whether an `INFER_CUDA_FUSED_*` switch is on (unset, or anything but `0`): each fusion can be
+/// turned off to measure what it gives on a GPU. Read once.
+fn switch(cell: &'static std::sync::OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).as_deref() != Ok("0"))
+}
+
+/// The decode FFN's gate, up and GLU in one launch.
 fn fused_ffn() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("INFER_CUDA_FUSED_FFN").as_deref() != Ok("0"))
+    switch(&ON, "INFER_CUDA_FUSED_FFN")
 }
 
-/// Whether a sublayer's last product and the residual join after it share a launch
-/// (`INFER_CUDA_FUSED_NORM=0`: not, for measuring the difference on a GPU).
+/// A sublayer's last product and the residual join after it in one launch.
 fn fused_norm() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("INFER_CUDA_FUSED_NORM").as_deref() != Ok("0"))
+    switch(&ON, "INFER_CUDA_FUSED_NORM")
 }
 
-/// Whether a decode step's Q/K/V products and `rope_kv` share a launch (`INFER_CUDA_FUSED_QKV=0`:
-/// not, for measuring the difference on a GPU).
+/// A decode step's Q/K/V products and `rope_kv` in one launch.
 fn fused_qkv() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("INFER_CUDA_FUSED_QKV").as_deref() != Ok("0"))
+    switch(&ON, "INFER_CUDA_FUSED_QKV")
 }
 
-/// Whether decode attention merges its splits in the block that finishes the last of them
-/// (`INFER_CUDA_FUSED_MERGE=0`: in an `attn_merge` launch of its own).
+/// Decode attention's splits merged by the block that finishes the last of them (else an
+/// `attn_merge` launch).
 fn fused_merge() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("INFER_CUDA_FUSED_MERGE").as_deref() != Ok("0"))
+    switch(&ON, "INFER_CUDA_FUSED_MERGE")
 }
 
 /// Most rows for which the join runs inside the product's launch: its last block normalises the
